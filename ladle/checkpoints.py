@@ -1,0 +1,130 @@
+"""Safe, atomic checkpoints: safetensors weights + JSON metadata, and the layout of a run directory.
+
+``checkpoints/<run>/ingredient-XX.safetensors`` + ``ingredient-XX.json``, ``run.json``;
+``checkpoints/latest`` points at the newest run. Every write goes to a temporary file in the same
+folder, is fsynced, then renamed over the target: a crash leaves the old file or the new, never half.
+Nothing here unpickles: weights load with safetensors, metadata with json.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+from torch import Tensor
+
+from ladle.errors import LadleError
+
+StateDict = dict[str, Tensor]
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Write ``path`` through a temp file in its folder, fsync, then rename; clean up on failure."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except PermissionError:
+        raise LadleError(f"cannot write to {path.parent}: permission denied (choose another --run-dir)") from None
+    try:
+        with os.fdopen(handle, mode) as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except OSError as error:
+        Path(temp).unlink(missing_ok=True)
+        if error.errno == errno.ENOSPC:
+            raise LadleError(f"disk full while writing {path}; free space and rerun (use --resume)") from None
+        raise
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Atomically write ``payload`` as pretty JSON."""
+    with atomic_open(path, "w") as stream:
+        json.dump(payload, stream, indent=2, sort_keys=True)
+        stream.write("\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON metadata file, naming it in the error when missing or corrupt."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise LadleError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise LadleError(f"{path} is corrupt ({error.__class__.__name__}); delete it and retrain that part") from None
+    if not isinstance(payload, dict):
+        raise LadleError(f"{path} is corrupt: expected a JSON object")
+    return payload
+
+
+def save_state(path: Path, state: StateDict) -> None:
+    """Atomically save tensors as safetensors (contiguous CPU copies)."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    with atomic_open(path) as stream:
+        stream.write(save_safetensors_bytes(tensors))
+
+
+def load_state(path: Path) -> StateDict:
+    """Load safetensors weights; any ``.pt`` goes through ``torch.load(weights_only=True)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise LadleError(f"checkpoint {path} is missing")
+    if path.suffix in (".pt", ".pth"):
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - the unpickler refuses with many types
+            raise LadleError(
+                f"refused to load {path}: not a plain tensor checkpoint ({type(error).__name__}); "
+                "only safetensors or weights-only .pt files are accepted"
+            ) from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
+            raise LadleError(f"{path} does not hold a state dict of tensors")
+        return loaded
+    try:
+        return load_safetensors_bytes(path.read_bytes())
+    except (SafetensorError, ValueError, OSError) as error:
+        raise LadleError(f"checkpoint {path} is corrupt or truncated ({error}); retrain it or remove it") from None
+
+
+def ingredient_name(k: int) -> str:
+    """``ingredient-03`` for k = 3."""
+    return f"ingredient-{k:02d}"
+
+
+def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
+    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically)."""
+    link = checkpoints_root / "latest"
+    temp = checkpoints_root / f".latest.{os.getpid()}"
+    temp.unlink(missing_ok=True)
+    try:
+        target = os.path.relpath(run_dir.resolve(), checkpoints_root.resolve())
+        temp.symlink_to(target, target_is_directory=True)
+        os.replace(temp, link)
+    except OSError:
+        temp.unlink(missing_ok=True)
+
+
+def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = Path("checkpoints")) -> Path:
+    """An existing run directory: the argument, else ``checkpoints/latest``."""
+    path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"
+    if not path.is_dir():
+        hint = "train one with python -m ladle.train" if run_dir is None else "check --run-dir"
+        raise LadleError(f"run directory {path} not found ({hint})")
+    if not (path / "run.json").is_file():
+        raise LadleError(f"{path} is not a ladle run (no run.json)")
+    return path.resolve()

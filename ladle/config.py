@@ -1,0 +1,236 @@
+"""Recipes: typed dataclasses, YAML loading, ``key=value`` overrides and validation with clear errors.
+
+A recipe is data (torchtune style): every key is a dataclass field, nested sections are dataclasses
+(``view.parts=32``), and a bad key or value is rejected with the key's dotted name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ladle.errors import LadleError
+from ladle.views import ViewConfig
+
+MODEL_KINDS = ("gcn", "sage", "gat")
+NORM_KINDS = ("none", "batch", "layer")
+FEATURE_MODES = ("auto", "raw", "normalize")
+SOUP_METHODS = ("uniform", "greedy", "gis", "all")
+SOUP_SEARCHES = ("grid", "fast")
+SOUP_METRICS = ("acc", "loss", "acc+loss")
+
+
+@dataclass(frozen=True)
+class SoupConfig:
+    """How ``ladle.soup`` merges the ingredients (recipe section ``soup``)."""
+
+    method: str = "all"
+    grid: int = 21
+    search: str = "grid"
+    metric: str = "acc+loss"
+    recompute_bn: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("soup.method", self.method, SOUP_METHODS)
+        _check_choice("soup.search", self.search, SOUP_SEARCHES)
+        _check_choice("soup.metric", self.metric, SOUP_METRICS)
+        if self.grid < 2:
+            raise ValueError(f"soup.grid must be >= 2, got {self.grid}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything one run needs: dataset, model, how ingredients see the graph, training, soup.
+
+    The defaults are the embedded default recipe (``recipes/default.yaml`` says the same).
+    """
+
+    name: str = "default"
+    dataset: str = "cora"
+    split: int = 0
+    features: str = "auto"
+    model: str = "gcn"
+    hidden: int = 64
+    layers: int = 2
+    dropout: float = 0.5
+    norm: str = "none"
+    heads: int = 8
+    view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="cluster"))
+    epochs: int = 200
+    lr: float = 0.01
+    weight_decay: float = 5e-4
+    patience: int = 100
+    seed: int = 0
+    soup: SoupConfig = field(default_factory=SoupConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("model", self.model, MODEL_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("features", self.features, FEATURE_MODES)
+        for key in ("hidden", "layers", "epochs", "heads", "patience"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+        if self.split < 0 or self.seed < 0:
+            raise ValueError("split and seed must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON/YAML-able dict (tuples become lists)."""
+        return _plain(dataclasses.asdict(self))
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A copy with top-level fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against a field's type hint; convert lists to tuples and ints to floats."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise LadleError(f"recipe key '{key}' must be a mapping, got {value!r}")
+        return _build(hint, value, prefix=f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(key, value, option)
+            except LadleError:
+                continue
+        raise LadleError(f"recipe key '{key}' has a value of the wrong type: {value!r}")
+    if origin is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise LadleError(f"recipe key '{key}' must be a list, got {value!r}")
+        return tuple(_coerce(key, item, item_hint) for item in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        name = getattr(hint, "__name__", str(hint))
+        raise LadleError(f"recipe key '{key}' must be of type {name}, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise LadleError(
+            f"unknown recipe key '{prefix}{unknown[0]}' (known keys here: {', '.join(sorted(known))})"
+        )
+    kwargs = {k: _coerce(prefix + k, v, hints[k]) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as error:
+        message = str(error)
+        raise LadleError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+
+
+def _merge(base: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in a nested dict, creating sections on the way."""
+    *sections, last = dotted.split(".")
+    node = base
+    for section in sections:
+        child = node.setdefault(section, {})
+        if not isinstance(child, dict):
+            raise LadleError(f"recipe key '{section}' is not a section; cannot set '{dotted}'")
+        node = child
+    node[last] = value
+
+
+def recipe_dirs() -> list[Path]:
+    """Where ``--recipe NAME`` is looked up: ``./recipes`` then the project's own ``recipes/``."""
+    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    """A recipe file from a path or a name in one of :func:`recipe_dirs`."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    for folder in recipe_dirs():
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    available = sorted({p.stem for d in recipe_dirs() if d.is_dir() for p in d.glob("*.yaml")})
+    raise LadleError(
+        f"recipe '{name_or_path}' not found (a .yaml path, or one of: {', '.join(available) or 'none'})"
+    )
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["epochs=50", "view.kind=metis"]`` -> nested dict; values parsed as YAML scalars."""
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise LadleError(f"override '{pair}' is not of the form key=value")
+        _merge(result, key.strip(), yaml.safe_load(raw) if raw else "")
+    return result
+
+
+def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def load_recipe(recipe: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+    """Load a recipe by name or path (``None``: the embedded default) and apply overrides."""
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        path = resolve_recipe_path(recipe)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            first = str(error).splitlines()[0]
+            raise LadleError(f"recipe {path} is not valid YAML: {first}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise LadleError(f"recipe {path} must be a mapping of keys to values")
+        values = loaded
+        values.setdefault("name", path.stem)
+    if isinstance(overrides, dict):
+        extra = overrides
+    else:
+        extra = parse_overrides(list(overrides or []))
+    base = Recipe().to_dict()
+    _deep_update(base, values)
+    _deep_update(base, extra)
+    return recipe_from_dict(base)
+
+
+def recipe_from_dict(values: dict[str, Any]) -> Recipe:
+    """Build and validate a :class:`Recipe` from a (possibly partial) nested dict."""
+    base = Recipe().to_dict()
+    _deep_update(base, values)
+    return _build(Recipe, base)

@@ -1,0 +1,306 @@
+"""Datasets from a root folder in PyG's layout, their standard splits, and a seeded synthetic graph.
+
+The root is resolved as ``--data-root`` > ``$LADLE_DATA`` > ``../shared/datasets`` (when it exists)
+> ``./data``. The root may be read-only: raw files are staged into a writable cache
+(``$LADLE_CACHE`` or ``~/.cache/ladle``) where PyG writes its ``processed/`` files.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+from torch_geometric.utils import to_undirected
+
+from ladle.errors import LadleError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a dataset lives under the root, how PyG loads it, and what to tell a user without it."""
+
+    folder: str
+    load: Callable[[Path], Data]
+    files: str
+    splits: str  # "public" | "per-class" | "shipped" | "random"
+    normalize: bool = False
+
+
+def _planetoid(name: str) -> Callable[[Path], Data]:
+    def load(root: Path) -> Data:
+        from torch_geometric.datasets import Planetoid
+
+        return Planetoid(str(root), name)[0]
+
+    return load
+
+
+def _pyg(cls_name: str, name: str | None, sub: str | None = None) -> Callable[[Path], Data]:
+    def load(root: Path) -> Data:
+        import torch_geometric.datasets as datasets
+
+        cls = getattr(datasets, cls_name)
+        where = str(root / sub) if sub else str(root)
+        return (cls(where, name) if name else cls(where))[0]
+
+    return load
+
+
+def _ogb(name: str) -> Callable[[Path], Data]:
+    def load(root: Path) -> Data:
+        try:
+            from ogb.nodeproppred import PygNodePropPredDataset
+        except ImportError:
+            raise LadleError(f"dataset '{name}' needs the ogb package: pip install 'ladle[ogb]'") from None
+        dataset = PygNodePropPredDataset(name, str(root))
+        data = dataset[0]
+        split = dataset.get_idx_split()
+        for key, part in (("train", "train"), ("val", "valid"), ("test", "test")):
+            mask = torch.zeros(data.num_nodes, dtype=torch.bool)
+            mask[split[part]] = True
+            data[f"{key}_mask"] = mask
+        data.y = data.y.view(-1)
+        if data.edge_index is not None:
+            data.edge_index = to_undirected(data.edge_index, num_nodes=data.num_nodes)
+        return data
+
+    return load
+
+
+SOURCES: dict[str, _Source] = {
+    "cora": _Source("Cora", _planetoid("Cora"), "ind.cora.{x,tx,allx,y,ty,ally,graph,test.index}", "public", True),
+    "citeseer": _Source(
+        "CiteSeer", _planetoid("CiteSeer"), "ind.citeseer.{x,tx,allx,y,ty,ally,graph,test.index}", "public", True
+    ),
+    "pubmed": _Source(
+        "PubMed", _planetoid("PubMed"), "ind.pubmed.{x,tx,allx,y,ty,ally,graph,test.index}", "public", True
+    ),
+    "physics": _Source("Physics", _pyg("Coauthor", "Physics"), "ms_academic_phy.npz", "per-class"),
+    "cs": _Source("CS", _pyg("Coauthor", "CS"), "ms_academic_cs.npz", "per-class"),
+    "photo": _Source("Photo", _pyg("Amazon", "Photo"), "amazon_electronics_photo.npz", "per-class"),
+    "computers": _Source(
+        "Computers", _pyg("Amazon", "Computers"), "amazon_electronics_computers.npz", "per-class"
+    ),
+    **{
+        name: _Source(name, _pyg("WebKB", name), "out1_graph_edges.txt, out1_node_feature_label.txt, "
+                      f"{name}_split_0.6_0.2_*.npz", "shipped")
+        for name in ("cornell", "texas", "wisconsin")
+    },
+    "actor": _Source(
+        "Actor", _pyg("Actor", None, "Actor"),
+        "out1_graph_edges.txt, out1_node_feature_label.txt, film_split_0.6_0.2_*.npz", "shipped"
+    ),
+    **{
+        name: _Source(name, _pyg("HeterophilousGraphDataset", name), f"{name}.npz", "shipped")
+        for name in ("tolokers", "minesweeper")
+    },
+    **{
+        name: _Source(name, _pyg("LINKXDataset", name), "data.mat", "random")
+        for name in ("cornell5", "johnshopkins55", "amherst41", "reed98")
+    },
+    "reddit": _Source("Reddit", _pyg("Reddit", None, "Reddit"), "reddit_data.npz, reddit_graph.npz", "shipped"),
+    "flickr": _Source("Flickr", _pyg("Flickr", None, "Flickr"), "adj_full.npz, feats.npy, class_map.json, role.json",
+                      "shipped"),
+    "ogbn-arxiv": _Source("ogbn_arxiv", _ogb("ogbn-arxiv"), "the ogbn-arxiv download (raw/, split/)", "shipped"),
+    "ogbn-products": _Source(
+        "ogbn_products", _ogb("ogbn-products"), "the ogbn-products download (raw/, split/)", "shipped"
+    ),
+}
+DATASET_NAMES = tuple(SOURCES) + ("synthetic",)
+
+
+def resolve_data_root(data_root: str | Path | None = None) -> Path:
+    """The dataset root: argument > ``$LADLE_DATA`` > ``../shared/datasets`` if present > ``./data``."""
+    if data_root is None:
+        data_root = os.environ.get("LADLE_DATA") or None
+    if data_root is not None:
+        root = Path(data_root).expanduser()
+        if not root.is_dir():
+            raise LadleError(f"data root {root} does not exist (pass --data-root or set LADLE_DATA)")
+        return root
+    for candidate in (Path.cwd().parent / "shared" / "datasets",
+                      Path(__file__).resolve().parents[2] / "shared" / "datasets"):
+        if candidate.is_dir():
+            return candidate
+    return Path.cwd() / "data"
+
+
+def cache_dir() -> Path:
+    """Writable folder for staged raw files and PyG's processed output."""
+    return Path(os.environ.get("LADLE_CACHE", Path.home() / ".cache" / "ladle")).expanduser()
+
+
+def _stage(root: Path, folder: str) -> Path:
+    """Copy ``root/folder`` (raw files only) into the cache once; return the cache root to load from."""
+    source = root / folder
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    staged_root = cache_dir() / "datasets" / digest
+    target = staged_root / folder
+    stamp = target / ".staged"
+    signature = ";".join(
+        f"{p.relative_to(source)}:{p.stat().st_size}" for p in sorted(source.rglob("*"))
+        if p.is_file() and "processed" not in p.parts
+    )
+    if not (stamp.is_file() and stamp.read_text() == signature):
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("processed"))
+        stamp.write_text(signature)
+    return staged_root
+
+
+def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
+                 features: str = "auto") -> Data:
+    """Load ``name`` with its standard split as one PyG ``Data`` (``num_classes`` set on it).
+
+    ``split`` picks one of the shipped splits, or seeds the per-class / random split.
+    ``features``: ``auto`` row-normalises Planetoid features (their convention), keeps others raw.
+    """
+    key = name.lower()
+    if key.startswith("synthetic"):
+        data = synthetic_graph(**parse_synthetic(key))
+        return _finish(data, features == "normalize")
+    if key not in SOURCES:
+        raise LadleError(f"unknown dataset '{name}' (known: {', '.join(DATASET_NAMES)})")
+    source = SOURCES[key]
+    root = resolve_data_root(data_root)
+    if (root / source.folder).is_dir():
+        load_root = _stage(root, source.folder)
+    else:
+        load_root = root  # PyG's own download, where the machine is online
+    try:
+        data = source.load(load_root)
+    except LadleError:
+        raise
+    except Exception as error:  # noqa: BLE001 - PyG raises URLError, OSError, RuntimeError, ...
+        raise LadleError(
+            f"dataset '{key}' could not be loaded from {root} ({type(error).__name__}); put its files "
+            f"({source.files}) in {root / source.folder}/raw or pass --data-root"
+        ) from None
+    data = _with_split(data, source.splits, split)
+    normalize = features == "normalize" or (features == "auto" and source.normalize)
+    data.name = key
+    return _finish(data, normalize)
+
+
+def _finish(data: Data, normalize: bool) -> Data:
+    data.x = data.x.float()
+    if normalize:
+        data.x = data.x / data.x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+    data.y = data.y.long().view(-1)
+    data.num_classes = int(data.y.max()) + 1
+    return data
+
+
+def _with_split(data: Data, kind: str, split: int) -> Data:
+    labelled = data.y.view(-1) >= 0
+    if kind == "per-class":
+        data.train_mask, data.val_mask, data.test_mask = per_class_split(data.y, 20, 30, seed=split)
+    elif kind == "random":
+        data.train_mask, data.val_mask, data.test_mask = random_split(labelled, 0.5, 0.25, seed=split)
+    elif kind == "shipped" and data.train_mask.dim() == 2:
+        count = data.train_mask.size(1)
+        if split >= count:
+            raise LadleError(f"split={split} but this dataset ships {count} splits (0..{count - 1})")
+        for mask in ("train_mask", "val_mask", "test_mask"):
+            data[mask] = data[mask][:, split]
+    elif split != 0:
+        raise LadleError(f"split={split}: this dataset has one standard split; use split=0")
+    for mask in ("train_mask", "val_mask", "test_mask"):
+        data[mask] = data[mask].bool() & labelled
+    return data
+
+
+def per_class_split(y: Tensor, train_per_class: int, val_per_class: int, seed: int) -> tuple[Tensor, ...]:
+    """Shchur et al.: ``train_per_class`` and ``val_per_class`` random nodes of each class, the rest test."""
+    generator = torch.Generator().manual_seed(seed)
+    masks = [torch.zeros(y.numel(), dtype=torch.bool) for _ in range(3)]
+    for c in range(int(y.max()) + 1):
+        members = (y == c).nonzero().view(-1)
+        members = members[torch.randperm(members.numel(), generator=generator)]
+        masks[0][members[:train_per_class]] = True
+        masks[1][members[train_per_class:train_per_class + val_per_class]] = True
+        masks[2][members[train_per_class + val_per_class:]] = True
+    return tuple(masks)
+
+
+def random_split(eligible: Tensor, train: float, val: float, seed: int) -> tuple[Tensor, ...]:
+    """Random ``train``/``val``/rest fractions of the eligible nodes, seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    nodes = eligible.nonzero().view(-1)
+    nodes = nodes[torch.randperm(nodes.numel(), generator=generator)]
+    n_train, n_val = int(train * nodes.numel()), int(val * nodes.numel())
+    masks = [torch.zeros(eligible.numel(), dtype=torch.bool) for _ in range(3)]
+    masks[0][nodes[:n_train]] = True
+    masks[1][nodes[n_train:n_train + n_val]] = True
+    masks[2][nodes[n_train + n_val:]] = True
+    return tuple(masks)
+
+
+SYNTHETIC_DEFAULTS = {"nodes": 10_000, "degree": 10, "features": 64, "classes": 10,
+                      "homophily": 0.7, "signal": 0.25, "seed": 0}
+
+
+def parse_synthetic(spec: str) -> dict[str, float]:
+    """``synthetic:nodes=1000,degree=8`` -> keyword arguments of :func:`synthetic_graph`."""
+    _, _, body = spec.partition(":")
+    options: dict[str, float] = dict(SYNTHETIC_DEFAULTS)
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in SYNTHETIC_DEFAULTS:
+            raise LadleError(
+                f"bad synthetic option '{item}' (known: {', '.join(SYNTHETIC_DEFAULTS)}; e.g. synthetic:nodes=100000)"
+            )
+        try:
+            options[key] = type(SYNTHETIC_DEFAULTS[key])(float(value))
+        except ValueError:
+            raise LadleError(f"synthetic option '{key}' needs a number, got '{value}'") from None
+    if options["nodes"] < options["classes"] * 4 or options["degree"] < 1 or options["features"] < 1:
+        raise LadleError("synthetic graph needs nodes >= 4 * classes, degree >= 1 and features >= 1")
+    return options
+
+
+def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homophily: float = 0.7,
+                    signal: float = 0.25, seed: int = 0, chunk: int = 1 << 18) -> Data:
+    """A contextual stochastic block model: learnable from features (class means + noise) and structure.
+
+    Each node draws ``degree / 2`` partners, of its own class with probability ``homophily``; the
+    graph is then made undirected. Generated in chunks of ``chunk`` nodes to bound peak memory.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    y = torch.randint(classes, (nodes,), generator=generator)
+    means = torch.randn(classes, features, generator=generator) * signal
+    by_class = torch.argsort(y)
+    class_start = torch.zeros(classes + 1, dtype=torch.long)
+    class_start[1:] = torch.bincount(y, minlength=classes).cumsum(0)
+    half = max(1, degree // 2)
+    x = torch.empty(nodes, features)
+    sources, targets = [], []
+    for start in range(0, nodes, chunk):
+        ids = torch.arange(start, min(start + chunk, nodes))
+        x[ids] = means[y[ids]] + torch.randn(ids.numel(), features, generator=generator)
+        src = ids.repeat_interleave(half)
+        same = torch.rand(src.numel(), generator=generator) < homophily
+        cls = y[src]
+        size = class_start[cls + 1] - class_start[cls]
+        pick = (torch.rand(src.numel(), generator=generator) * size).long()
+        intra = by_class[class_start[cls] + pick]
+        anywhere = torch.randint(nodes, (src.numel(),), generator=generator)
+        dst = torch.where(same, intra, anywhere)
+        keep = src != dst
+        sources.append(src[keep])
+        targets.append(dst[keep])
+    edge_index = to_undirected(torch.stack([torch.cat(sources), torch.cat(targets)]), num_nodes=nodes)
+    train, val, test = random_split(torch.ones(nodes, dtype=torch.bool), 0.1, 0.1, seed=seed)
+    data = Data(x=x, y=y, edge_index=edge_index, train_mask=train, val_mask=val, test_mask=test)
+    data.name = "synthetic"
+    return data

@@ -1,0 +1,175 @@
+"""Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
+
+The launcher prepares the run directory and the shared initial weights, then hands out ingredient
+tasks. Workers load the dataset once, use ``cores / workers`` threads each, and never talk to one
+another: no process group, no messages; each writes its own checkpoint and returns its metadata.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import datetime as dt
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch_geometric.data import Data
+
+from ladle.checkpoints import read_json, save_state, update_latest, write_json
+from ladle.config import Recipe, recipe_from_dict
+from ladle.data import load_dataset
+from ladle.errors import LadleError
+from ladle.models import GraphInputs, build_model, graph_inputs
+from ladle.train import IngredientTask, train_ingredient
+
+log = logging.getLogger(__name__)
+
+
+def available_cores() -> int:
+    """CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RunResult:
+    """What a finished run left: its folder and each ingredient's metadata."""
+
+    run_dir: Path
+    ingredients: list[dict[str, Any]]
+    baseline: dict[str, Any] | None = None
+    failed: list[str] = field(default_factory=list)
+
+    def summary_table(self) -> str:
+        """A plain-text table of the ingredients (and baseline): val/test accuracy, epochs, time, memory."""
+        rows = [m for m in self.ingredients] + ([self.baseline] if self.baseline else [])
+        lines = [f"{'model':<15}{'view nodes':>11}{'epochs':>8}{'best':>6}{'val':>8}{'test':>8}{'sec':>8}{'RSS MB':>9}"]
+        for meta in rows:
+            lines.append(
+                f"{meta['name']:<15}{meta['view'].get('nodes', 0):>11}{meta['epochs_run']:>8}{meta['best_epoch']:>6}"
+                f"{meta['val_acc']:>8.4f}{meta['test_acc']:>8.4f}{meta['train_seconds']:>8.1f}{meta['peak_rss_mb']:>9.0f}"
+            )
+        lines.extend(f"{name:<15}FAILED" for name in self.failed)
+        return "\n".join(lines)
+
+
+class _Worker:
+    """Per-process state of a pool worker: the dataset and full-graph inputs, loaded once."""
+
+    def __init__(self, recipe: Recipe, data_root: str | None, threads: int, slot: int, device: str) -> None:
+        torch.set_num_threads(threads)
+        self.recipe, self.slot, self.device = recipe, slot, device
+        self.data: Data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
+        self.full_inputs: GraphInputs = graph_inputs(self.data, recipe.model)
+
+
+_worker: _Worker | None = None  # one per worker process, set by the pool initialiser
+
+
+def _init_worker(recipe_dict: dict[str, Any], data_root: str | None, threads: int, slots: Any, device: str) -> None:
+    global _worker
+    _worker = _Worker(recipe_from_dict(recipe_dict), data_root, threads, slots.get(), device)
+
+
+def _run_task(task: IngredientTask) -> dict[str, Any]:
+    assert _worker is not None, "worker not initialised"
+    return train_ingredient(_worker.recipe, _worker.data, task, _worker.full_inputs, _worker.slot, _worker.device)
+
+
+def _new_run_dir(recipe: Recipe, checkpoints_root: Path) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = checkpoints_root / f"{recipe.name}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    return path
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` without one is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LadleError("--device cuda but no CUDA device is visible (use --device cpu or auto)")
+    return device
+
+
+def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None = None,
+                      run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
+                      data_root: str | Path | None = None, device: str = "cpu",
+                      checkpoints_root: str | Path = "checkpoints") -> RunResult:
+    """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
+
+    This is the library call behind ``python -m ladle.train``; it returns when all have finished.
+    """
+    if ingredients < 1:
+        raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
+    workers = min(ingredients + int(baseline), available_cores()) if workers is None else workers
+    if workers < 1:
+        raise LadleError(f"--workers must be >= 1, got {workers}")
+    if init not in ("shared", "independent"):
+        raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
+    device = resolve_device(device)
+    data_root = None if data_root is None else str(data_root)
+
+    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)  # stages + validates once
+    from ladle.views import build_view
+
+    build_view(data, recipe.view, 0, ingredients, recipe.seed)  # bad view settings fail here, not in K workers
+    checkpoints_root = Path(checkpoints_root)
+    run_path = Path(run_dir) if run_dir is not None else _new_run_dir(recipe, checkpoints_root)
+    run_path.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_path, os.W_OK):
+        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
+
+    torch.manual_seed(recipe.seed)
+    save_state(run_path / "init.safetensors", build_model(recipe, data.num_features, data.num_classes).state_dict())
+    tasks = [IngredientTask(k, ingredients, run_path, init) for k in range(ingredients)]
+    if baseline:
+        tasks.append(IngredientTask(None, ingredients, run_path, "shared"))
+    run_meta = {
+        "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
+        "baseline": baseline, "device": device, "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "dataset": {"name": recipe.dataset, "nodes": data.num_nodes, "edges": data.num_edges,
+                    "features": data.num_features, "classes": data.num_classes},
+        "status": "running",
+    }
+    write_json(run_path / "run.json", run_meta)
+    if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
+        update_latest(checkpoints_root, run_path)
+    del data
+
+    threads = max(1, available_cores() // workers)
+    context = mp.get_context("spawn")
+    slots = context.Queue()
+    for slot in range(workers):
+        slots.put(slot)
+    results: dict[str, dict[str, Any]] = {}
+    failed: list[str] = []
+    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(recipe.to_dict(), data_root, threads, slots, device)) as pool:
+        pending = {pool.submit(_run_task, task): task for task in tasks}
+        for future in futures.as_completed(pending):
+            task = pending[future]
+            try:
+                results[task.name] = future.result()
+            except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError) as error:
+                log.error("%s failed: %s", task.name, error)
+                failed.append(task.name)
+                write_json(run_path / f"{task.name}.json", {"name": task.name, "k": task.k, "status": "failed",
+                                                           "error": f"{type(error).__name__}: {error}"})
+    run_meta["status"] = "failed" if failed else "done"
+    run_meta["failed"] = sorted(failed)
+    write_json(run_path / "run.json", run_meta)
+    ordered = [results[n] for n in sorted(results) if n != "baseline"]
+    return RunResult(run_path, ordered, results.get("baseline"), sorted(failed))
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    """The ``run.json`` of a run directory."""
+    return read_json(Path(run_dir) / "run.json")

@@ -1,0 +1,117 @@
+"""Soup reports: the plain-text table, ``report.json``, ``report.md`` and PNG plots of a run."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ladle.checkpoints import atomic_open, write_json
+
+log = logging.getLogger(__name__)
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
+    """(name, val acc, test acc, note) for ingredients, summaries, soups and references."""
+    rows: list[tuple[str, float, float, str]] = [
+        (r["name"], r["val_acc"], r["test_acc"], "") for r in report["ingredients"]
+    ]
+    best, mean = report["best_ingredient"], report["mean_ingredient"]
+    rows.append(("best ingredient", best["val_acc"], best["test_acc"], best["name"]))
+    rows.append(("mean ingredient", mean["val_acc"], mean["test_acc"], ""))
+    for soup in report["soups"]:
+        note = f"{soup['evaluations']} evals, kept {len(soup['kept'])}"
+        if soup["alphas"]:
+            note += ", alphas " + " ".join(f"{a:.2f}" for a in soup["alphas"])
+        rows.append((soup["name"], soup["val_acc"], soup["test_acc"], note))
+    for ref in report["references"]:
+        rows.append((f"{ref['name']} (ref)", ref["val_acc"], ref["test_acc"], "not a soup"))
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as an aligned plain-text table."""
+    lines = [f"{'model':<20}{'val':>8}{'test':>8}  note"]
+    lines += [f"{name:<20}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
+    if report.get("missing"):
+        lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
+    lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: settings, the table, and each ingredient's view."""
+    lines = [
+        f"# Soup report: {report['dataset']} / {report['model']} / view {report['view']}",
+        "",
+        f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
+        f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
+        "",
+        "| model | val acc | test acc | note |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {name} | {val:.4f} | {test:.4f} | {note} |" for name, val, test, note in table_rows(report)]
+    if report.get("missing"):
+        lines += ["", f"Missing or unfinished ingredients: {', '.join(report['missing'])}"]
+    lines += ["", "## Views", "", "| ingredient | nodes | train nodes | label histogram |", "|---|---|---|---|"]
+    for row, view in zip(report["ingredients"], report["views"]):
+        histogram = view.get("label_histogram", [])
+        lines.append(f"| {row['name']} | {view.get('nodes', '')} | {view.get('train_nodes', '')} | "
+                     f"{' '.join(str(c) for c in histogram)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and, when matplotlib is installed, the PNG plots."""
+    write_json(run_dir / "report.json", report)
+    with atomic_open(run_dir / "report.md", "w") as stream:
+        stream.write(format_markdown(report))
+    return plot_report(run_dir, report)
+
+
+def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+    """``accuracy.png`` (ingredients vs soups vs references) and ``alpha.png`` (val acc against alpha)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no plots (pip install 'ladle[plots]')")
+        return []
+    written = []
+    names, tests, colours = [], [], []
+    for name, _val, test, _note in table_rows(report):
+        names.append(name)
+        tests.append(test)
+        colours.append("tab:blue" if name.startswith("ingredient") else
+                       "tab:green" if name.startswith("soup") else "tab:gray")
+    figure, axis = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4))
+    axis.bar(range(len(names)), tests, color=colours)
+    axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+    low = min(tests)
+    axis.set_ylim(max(0.0, low - 0.05), min(1.0, max(tests) + 0.02))
+    axis.set_ylabel("test accuracy")
+    axis.set_title(f"{report['dataset']} / {report['model']} / {report['view']}")
+    figure.tight_layout()
+    written.append(_save(figure, run_dir / "accuracy.png"))
+    plt.close(figure)
+    gis = [s for s in report["soups"] if s["method"] == "gis" and s["curves"]]
+    if gis:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for step, curve in enumerate(gis[0]["curves"], start=2):
+            alphas = [point[0] for point in curve]
+            accuracy = [point[1] for point in curve]
+            axis.plot(alphas, accuracy, marker=".", label=f"step {step}")
+        axis.set_xlabel("alpha (weight of the soup so far)")
+        axis.set_ylabel("validation accuracy")
+        axis.legend(fontsize=7, ncol=2)
+        figure.tight_layout()
+        written.append(_save(figure, run_dir / "alpha.png"))
+        plt.close(figure)
+    return written
+
+
+def _save(figure: Any, path: Path) -> Path:
+    with atomic_open(path) as stream:
+        figure.savefig(stream, format="png", dpi=110)
+    return path
