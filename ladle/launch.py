@@ -102,10 +102,12 @@ def resolve_device(device: str) -> str:
 def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None = None,
                       run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
                       data_root: str | Path | None = None, device: str = "cpu",
-                      checkpoints_root: str | Path = "checkpoints") -> RunResult:
+                      checkpoints_root: str | Path = "checkpoints", backend: str = "local",
+                      ray_options: dict[str, Any] | None = None) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
+    ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
@@ -144,13 +146,36 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         update_latest(checkpoints_root, run_path)
     del data
 
+    if backend == "local":
+        results, failed = run_local(tasks, recipe, data_root, workers, device)
+    elif backend == "ray":
+        from ladle.ray_backend import run_ray
+
+        results, failed = run_ray(tasks, recipe, data_root, device, ray_options or {})
+    else:
+        raise LadleError(f"unknown backend {backend!r} (local or ray)")
+    for task in tasks:
+        if task.name in failed:
+            write_json(run_path / f"{task.name}.json",
+                       {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
+    run_meta["status"] = "failed" if failed else "done"
+    run_meta["failed"] = sorted(failed)
+    write_json(run_path / "run.json", run_meta)
+    ordered = [results[n] for n in sorted(results) if n != "baseline"]
+    return RunResult(run_path, ordered, results.get("baseline"), sorted(failed))
+
+
+def run_local(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, workers: int,
+              device: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each; return
+    (metadata by name, error by name of those that failed). A failing ingredient does not stop the others."""
     threads = max(1, available_cores() // workers)
     context = mp.get_context("spawn")
     slots = context.Queue()
     for slot in range(workers):
         slots.put(slot)
     results: dict[str, dict[str, Any]] = {}
-    failed: list[str] = []
+    failed: dict[str, str] = {}
     with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                      initargs=(recipe.to_dict(), data_root, threads, slots, device)) as pool:
         pending = {pool.submit(_run_task, task): task for task in tasks}
@@ -160,14 +185,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                 results[task.name] = future.result()
             except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError) as error:
                 log.error("%s failed: %s", task.name, error)
-                failed.append(task.name)
-                write_json(run_path / f"{task.name}.json", {"name": task.name, "k": task.k, "status": "failed",
-                                                           "error": f"{type(error).__name__}: {error}"})
-    run_meta["status"] = "failed" if failed else "done"
-    run_meta["failed"] = sorted(failed)
-    write_json(run_path / "run.json", run_meta)
-    ordered = [results[n] for n in sorted(results) if n != "baseline"]
-    return RunResult(run_path, ordered, results.get("baseline"), sorted(failed))
+                failed[task.name] = f"{type(error).__name__}: {error}"
+    return results, failed
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:

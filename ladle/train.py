@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also train one full-graph model for the same epochs (the soup's reference)")
     parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where to train")
+    parser.add_argument("--backend", default="local", choices=("local", "ray"),
+                        help="local worker processes (default) or a Ray cluster (pip install 'ladle[ray]')")
+    parser.add_argument("--address", help="Ray cluster address (auto, HOST:PORT); default: start a local one")
+    parser.add_argument("--cpus-per-ingredient", type=float, default=1.0, help="Ray: CPUs per ingredient task")
+    parser.add_argument("--gpus-per-ingredient", type=float, default=0.0, help="Ray: GPUs per ingredient task")
+    parser.add_argument("--gather", action="store_true",
+                        help="Ray: return weights to the driver and write them there (no shared storage needed)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -191,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"seed={args.seed}")
     recipe = load_recipe(args.recipe, overrides)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
-                            init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device)
+                            init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
+                            backend=args.backend,
+                            ray_options={"address": args.address, "cpus": args.cpus_per_ingredient,
+                                         "gpus": args.gpus_per_ingredient, "gather": args.gather})
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1
