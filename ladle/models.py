@@ -82,8 +82,11 @@ def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tenso
 
 
 def use_sparse_features(x: Tensor, model: str) -> bool:
-    """Wide, mostly-zero features (bag of words) go through a sparse product: 50-100x less work."""
-    if model == "gat" or x.dim() != 2 or x.size(1) < 256:
+    """Large, wide, mostly-zero features (bag of words) go through a sparse product: 50-100x less work.
+
+    Small batches stay dense: there, building the sparse matrix costs more than it saves.
+    """
+    if model == "gat" or x.dim() != 2 or x.size(1) < 256 or x.numel() < 1 << 21:
         return False
     sample = x[: min(x.size(0), 4096)]
     return bool((sample != 0).float().mean() < 0.05)

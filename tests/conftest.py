@@ -1,13 +1,24 @@
-"""Shared fixtures: a writable copy of the read-only shared datasets, and Cora."""
+"""Shared fixtures: the read-only shared datasets, a private cache, and Cora loaded through ladle."""
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-SHARED_DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+PROJECT = Path(__file__).resolve().parents[1]
+SHARED_DATASETS = PROJECT.parent / "shared" / "datasets"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage datasets into a cache of this test session (subprocesses inherit it)."""
+    cache = tmp_path_factory.mktemp("ladle-cache")
+    os.environ["LADLE_CACHE"] = str(cache)
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +32,23 @@ def data_root() -> Path:
 
 @pytest.fixture(scope="session")
 def cora(data_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Cora with its public split, loaded by PyG from a writable copy."""
+    """Cora with its public split, loaded by PyG from a writable copy (raw features)."""
     from torch_geometric.datasets import Planetoid
 
     root = tmp_path_factory.mktemp("planetoid")
     shutil.copytree(data_root / "Cora", root / "Cora")
     return Planetoid(str(root), "Cora")[0]
+
+
+@pytest.fixture(scope="session")
+def cora_data(data_root: Path):
+    """Cora as ladle loads it: public split, row-normalised features, ``num_classes`` set."""
+    from ladle.data import load_dataset
+
+    return load_dataset("cora", data_root)
+
+
+def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` as a user would; capture its output."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          cwd=cwd or PROJECT, timeout=timeout)

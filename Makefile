@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` (set up, train 8 ingredients on Cora, soup them)
+# and `make test` (the test suite CI runs). `make bench` runs the slow benchmarks.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-slow bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch first: on these machines torch==2.13.0 is a CPU wheel pip takes from disk; elsewhere pip's normal build.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[plots]'
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[plots,dev,ray]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m ladle.train --ingredients 8
+	$(BIN)/python -m ladle.soup
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q
+
+test-slow: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(VENV)/.installed-dev
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/soup_accuracy.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

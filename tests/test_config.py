@@ -1,0 +1,61 @@
+"""Recipes: the default, the shipped files, overrides, and errors that name the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ladle.config import Recipe, load_recipe, recipe_dirs
+from ladle.errors import LadleError
+
+
+def test_default_recipe_file_equals_embedded_default() -> None:
+    assert load_recipe("default") == Recipe()
+
+
+@pytest.mark.parametrize("name", ["cora-gcn", "citeseer-gcn", "physics-gcn", "cora-sage", "cora-gat"])
+def test_shipped_recipes_load(name: str) -> None:
+    recipe = load_recipe(name)
+    assert recipe.name == name
+    assert recipe.model in name
+
+
+def test_every_recipe_in_the_folder_is_valid() -> None:
+    files = sorted(recipe_dirs()[1].glob("*.yaml"))
+    assert len(files) >= 6
+    for path in files:
+        load_recipe(str(path))
+
+
+def test_overrides_reach_nested_keys_and_convert_types() -> None:
+    recipe = load_recipe("cora-gcn", ["dataset=citeseer", "view.kind=metis", "epochs=50", "lr=1",
+                                      "view.fanout=[5, 3]", "soup.grid=11"])
+    assert (recipe.dataset, recipe.view.kind, recipe.epochs, recipe.soup.grid) == ("citeseer", "metis", 50, 11)
+    assert recipe.lr == 1.0 and isinstance(recipe.lr, float)
+    assert recipe.view.fanout == (5, 3)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("bogus=1", "'bogus'"),
+    ("view.bogus=1", "'view.bogus'"),
+    ("epochs=ten", "'epochs'"),
+    ("epochs=0", "epochs"),
+    ("dropout=1.5", "dropout"),
+    ("model=mlp", "model"),
+    ("view.kind=nope", "view.kind"),
+    ("view.parts=0", "view.parts"),
+    ("soup.method=best", "soup.method"),
+    ("noequals", "key=value"),
+])
+def test_bad_overrides_name_the_key(override: str, needle: str) -> None:
+    with pytest.raises((LadleError, ValueError), match=needle.replace(".", r"\.").replace("[", r"\[")):
+        load_recipe(None, [override])
+
+
+def test_malformed_yaml_and_missing_recipe(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("dataset: [cora\n")
+    with pytest.raises(LadleError, match="not valid YAML"):
+        load_recipe(str(broken))
+    with pytest.raises(LadleError, match="not found"):
+        load_recipe("no-such-recipe")

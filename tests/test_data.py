@@ -1,0 +1,72 @@
+"""Datasets: staging from a read-only root, standard splits, clear errors, the synthetic graph."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle.data import load_dataset, per_class_split, resolve_data_root, synthetic_graph
+from ladle.errors import LadleError
+
+
+def test_cora_public_split_and_normalised_features(cora_data) -> None:
+    assert cora_data.num_nodes == 2708 and cora_data.num_classes == 7
+    assert (int(cora_data.train_mask.sum()), int(cora_data.val_mask.sum()), int(cora_data.test_mask.sum())) == (
+        140, 500, 1000)
+    assert torch.allclose(cora_data.x.sum(1)[cora_data.x.sum(1) > 0], torch.ones(1))
+
+
+def test_shipped_split_is_selected(data_root: Path) -> None:
+    first = load_dataset("texas", data_root, split=0)
+    second = load_dataset("texas", data_root, split=1)
+    assert first.train_mask.dim() == 1 and not torch.equal(first.train_mask, second.train_mask)
+    with pytest.raises(LadleError, match="ships 10 splits"):
+        load_dataset("texas", data_root, split=10)
+
+
+def test_per_class_split_counts() -> None:
+    y = torch.arange(5).repeat(100)
+    train, val, test = per_class_split(y, 20, 30, seed=3)
+    for c in range(5):
+        assert int(train[y == c].sum()) == 20 and int(val[y == c].sum()) == 30
+    assert not (train & val).any() and int((train | val | test).sum()) == 500
+    assert torch.equal(train, per_class_split(y, 20, 30, seed=3)[0])
+
+
+def test_missing_root_and_unknown_dataset(tmp_path: Path, data_root: Path) -> None:
+    with pytest.raises(LadleError, match="does not exist"):
+        resolve_data_root(tmp_path / "nowhere")
+    with pytest.raises(LadleError, match="unknown dataset 'nope'"):
+        load_dataset("nope", data_root)
+
+
+def test_absent_dataset_says_where_to_put_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("urllib.request.urlopen", _offline)
+    with pytest.raises(LadleError, match=r"PubMed/raw"):
+        load_dataset("pubmed", tmp_path)
+
+
+def _offline(*args, **kwargs):
+    raise OSError("no network")
+
+
+def test_synthetic_graph_is_seeded_undirected_and_learnable_from_features() -> None:
+    data = synthetic_graph(nodes=4000, degree=10, features=16, classes=4, seed=1)
+    again = synthetic_graph(nodes=4000, degree=10, features=16, classes=4, seed=1)
+    assert torch.equal(data.edge_index, again.edge_index) and torch.equal(data.x, again.x)
+    src, dst = data.edge_index
+    assert torch.equal(torch.sort(src * 4000 + dst).values, torch.sort(dst * 4000 + src).values)
+    homophily = (data.y[src] == data.y[dst]).float().mean()
+    assert homophily > 0.6
+    # nearest class mean on features alone beats chance (0.25) clearly
+    means = torch.stack([data.x[data.train_mask & (data.y == c)].mean(0) for c in range(4)])
+    prediction = torch.cdist(data.x[data.test_mask], means).argmin(1)
+    assert (prediction == data.y[data.test_mask]).float().mean() > 0.4
+
+
+def test_synthetic_spec_errors() -> None:
+    with pytest.raises(LadleError, match="bad synthetic option"):
+        load_dataset("synthetic:size=3")
+    data = load_dataset("synthetic:nodes=500,classes=3,features=8")
+    assert data.num_nodes == 500 and data.num_classes == 3 and data.num_features == 8

@@ -1,0 +1,217 @@
+"""Ingredient views on real Cora: batch format, determinism, partitions, ClusterGCN, GraphSAINT, neighbours."""
+from __future__ import annotations
+
+import json
+from itertools import islice
+
+import pytest
+import torch
+from torch_geometric.data import Data
+
+from ladle.views import PARTITION_KINDS, SAINT_KINDS, VIEW_KINDS, ViewConfig, build_view
+
+torch.set_num_threads(1)
+
+SAMPLED_KINDS = tuple(kind for kind in VIEW_KINDS if kind != "full" and kind not in PARTITION_KINDS)
+
+
+def _edge_set(edge_index: torch.Tensor, n_id: torch.Tensor | None = None) -> set[tuple[int, int]]:
+    """Edges as global ``(src, dst)`` pairs (mapping local ids through ``n_id`` when given)."""
+    if n_id is not None:
+        edge_index = n_id[edge_index]
+    return set(map(tuple, edge_index.t().tolist()))
+
+
+def _check_batch(batch: Data, data: Data) -> None:
+    """The batch format every view promises."""
+    n = batch.num_nodes
+    assert batch.edge_index.dtype == torch.long and batch.edge_index.dim() == 2 and batch.edge_index.size(0) == 2
+    if batch.edge_index.numel():
+        assert int(batch.edge_index.min()) >= 0 and int(batch.edge_index.max()) < n
+    assert batch.n_id.numel() == n == batch.n_id.unique().numel()
+    assert torch.equal(batch.x, data.x[batch.n_id]) and torch.equal(batch.y, data.y[batch.n_id])
+    assert batch.loss_mask.dtype == torch.bool and batch.loss_mask.numel() == n
+    assert bool(data.train_mask[batch.n_id][batch.loss_mask].all())
+    assert _edge_set(batch.edge_index, batch.n_id) <= _edge_set(data.edge_index)
+    if batch.get("loss_weight") is not None:
+        assert batch.loss_weight.shape == (n,)
+    if batch.get("edge_weight") is not None:
+        assert batch.edge_weight.shape == (batch.edge_index.size(1),)
+
+
+def _same(a: Data, b: Data) -> bool:
+    """Two batches hold identical tensors under identical keys."""
+    return sorted(a.keys()) == sorted(b.keys()) and all(
+        torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key] for key in a.keys())
+
+
+@pytest.mark.parametrize("kind", VIEW_KINDS)
+def test_batches_and_eval_graph_are_consistent(cora: Data, kind: str) -> None:
+    view = build_view(cora, ViewConfig(kind=kind, parts=16, sample_coverage=5), k=1, num_ingredients=4, seed=0)
+    batches = list(view.batches(0))
+    assert len(batches) == view.steps_per_epoch() >= 1
+    for batch in batches:
+        _check_batch(batch, cora)
+        if kind != "neighbor":  # loss counts on every train node in the batch
+            assert torch.equal(batch.loss_mask, cora.train_mask[batch.n_id])
+    graph = view.eval_graph()
+    _check_batch(graph, cora)
+    for key in ("train_mask", "val_mask", "test_mask"):
+        assert torch.equal(graph[key], cora[key][graph.n_id])
+    assert view.static == (kind not in SAMPLED_KINDS)
+    if kind not in PARTITION_KINDS:
+        assert graph.num_nodes == cora.num_nodes and graph.edge_index.size(1) == cora.num_edges
+    summary = json.loads(json.dumps(view.describe()))
+    assert summary["nodes"] == graph.num_nodes and summary["edges"] == graph.edge_index.size(1)
+    assert summary["train_nodes"] == sum(summary["label_histogram"]) == int(graph.train_mask.sum())
+    assert len(summary["label_histogram"]) == int(cora.y.max()) + 1
+
+
+@pytest.mark.parametrize("kind", VIEW_KINDS)
+def test_same_seed_same_batches_other_ingredient_other_batches(cora: Data, kind: str) -> None:
+    config = ViewConfig(kind=kind, parts=16, sample_coverage=5, steps_per_epoch=2 if kind in SAMPLED_KINDS else 0)
+    first, again, other = (build_view(cora, config, k=k, num_ingredients=4, seed=3) for k in (2, 2, 3))
+    a, b, c = list(first.batches(5)), list(again.batches(5)), list(other.batches(5))
+    assert len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if kind == "full":  # full-graph ingredients differ only by the model seed
+        assert all(_same(x, y) for x, y in zip(a, c))
+    else:
+        assert not all(_same(x, y) for x, y in zip(a, c))
+    if kind in SAMPLED_KINDS:
+        assert not all(_same(x, y) for x, y in zip(a, first.batches(6)))
+
+
+@pytest.mark.parametrize("kind", ["metis", "random"])
+def test_partition_parts_cover_every_node_once(cora: Data, kind: str) -> None:
+    views = [build_view(cora, ViewConfig(kind=kind), k=k, num_ingredients=4, seed=1) for k in range(4)]
+    n_ids = torch.cat([view.eval_graph().n_id for view in views])
+    assert torch.equal(n_ids.sort().values, torch.arange(cora.num_nodes))
+    for view in views:  # each part is its full induced subgraph, cut edges dropped
+        graph = view.eval_graph()
+        inside = torch.zeros(cora.num_nodes, dtype=torch.bool)
+        inside[graph.n_id] = True
+        assert graph.edge_index.size(1) == int((inside[cora.edge_index[0]] & inside[cora.edge_index[1]]).sum())
+        batches = list(view.batches(7))  # static: the same single (cached) batch every epoch
+        assert len(batches) == 1 and batches[0] is graph
+    summaries = [view.describe() for view in views]
+    total = summaries[0]["total_cut_edges"]
+    assert sum(s["cut_edges"] for s in summaries) == 2 * total  # each cut edge leaves one part, enters another
+    assert sum(s["edges"] for s in summaries) + total == cora.num_edges
+
+
+def test_metis_cuts_far_fewer_edges_than_random(cora: Data) -> None:
+    cut = {kind: build_view(cora, ViewConfig(kind=kind), 0, 8, seed=0).describe()["total_cut_edges"]
+           for kind in ("metis", "random")}
+    assert cut["metis"] < 0.3 * cut["random"], cut
+
+
+def test_random_partition_depends_on_seed(cora: Data) -> None:
+    parts = [build_view(cora, ViewConfig(kind="random"), 0, 4, seed=s).eval_graph().n_id for s in (0, 0, 1)]
+    assert torch.equal(parts[0], parts[1]) and not torch.equal(parts[0], parts[2])
+
+
+def test_cluster_epoch_covers_every_node_once(cora: Data) -> None:
+    view = build_view(cora, ViewConfig(kind="cluster", parts=16, parts_per_batch=3), 0, 2, seed=0)
+    batches = list(view.batches(0))
+    assert len(batches) == 6  # ceil(16 / 3)
+    assert torch.equal(torch.cat([b.n_id for b in batches]).sort().values, torch.arange(cora.num_nodes))
+    src, dst = cora.edge_index
+    for batch in batches:  # edges between the merged parts are kept: the batch is an induced subgraph
+        inside = torch.zeros(cora.num_nodes, dtype=torch.bool)
+        inside[batch.n_id] = True
+        assert batch.edge_index.size(1) == int((inside[src] & inside[dst]).sum())
+    longer = ViewConfig(kind="cluster", parts=16, parts_per_batch=3, steps_per_epoch=10)
+    assert len(list(build_view(cora, longer, 0, 2, seed=0).batches(0))) == 10
+
+
+@pytest.mark.parametrize("kind", SAINT_KINDS)
+def test_saint_normalisation_is_unbiased(cora: Data, kind: str) -> None:
+    """Mean over batches of the weighted loss ~ the full-graph train mean; same for aggregated in-degree."""
+    view = build_view(cora, ViewConfig(kind=kind, steps_per_epoch=100, sample_coverage=100), 0, 1, seed=0)
+    degree = torch.bincount(cora.edge_index[1], minlength=cora.num_nodes).double()
+    loss = degree  # a per-node "loss" that the samplers' preference for hubs would bias
+    num_train = int(cora.train_mask.sum())
+    weighted, unweighted, aggregated = [], [], []
+    for batch in (b for epoch in range(2) for b in view.batches(epoch)):
+        lw, ew = batch.loss_weight.double(), batch.edge_weight.double()
+        assert bool(torch.isfinite(lw).all() and (lw > 0).all() and torch.isfinite(ew).all() and (ew > 0).all())
+        weighted.append(float((loss[batch.n_id] * lw)[batch.loss_mask].sum()))
+        if batch.loss_mask.any():
+            unweighted.append(float(loss[batch.n_id][batch.loss_mask].mean()))
+        # sum over v in batch of (1 / p_v) * sum of alpha-weighted in-edges estimates the edge count
+        aggregated.append(float((ew * lw[batch.edge_index[1]]).sum() * num_train))
+    target = float(loss[cora.train_mask].mean())
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert abs(mean(weighted) / target - 1) < 0.08
+    assert abs(mean(unweighted) / target - 1) > 0.2  # without the weights the estimate is clearly biased
+    assert abs(mean(aggregated) / cora.num_edges - 1) < 0.1
+
+
+def test_saint_batch_size_sets_the_subgraph_size(cora: Data) -> None:
+    node = build_view(cora, ViewConfig(kind="saint-node", batch_size=100, sample_coverage=1), 0, 1, seed=0)
+    edge = build_view(cora, ViewConfig(kind="saint-edge", batch_size=100, sample_coverage=1), 0, 1, seed=0)
+    walk = build_view(cora, ViewConfig(kind="saint-rw", batch_size=100, walk_length=3, sample_coverage=1), 0, 1, seed=0)
+    assert all(b.num_nodes <= 100 for b in node.batches(0))
+    assert all(b.num_nodes <= 200 for b in edge.batches(0))
+    assert all(b.num_nodes <= 400 for b in walk.batches(0))
+    assert node.steps_per_epoch() == 28  # ceil(2708 / 100)
+
+
+def test_neighbor_sampling_respects_fanout(cora: Data) -> None:
+    fanout = (3, 2)
+    view = build_view(cora, ViewConfig(kind="neighbor", batch_size=32, fanout=fanout), 0, 1, seed=0)
+    degree = torch.bincount(cora.edge_index[1], minlength=cora.num_nodes)
+    batches = list(view.batches(0))
+    seeds = torch.cat([b.n_id[b.loss_mask] for b in batches])
+    assert torch.equal(seeds.sort().values, cora.train_mask.nonzero().view(-1))  # every train node once
+    for batch in batches:
+        num_seeds = batch.num_sampled_nodes[0]
+        assert torch.equal(batch.loss_mask, torch.arange(batch.num_nodes) < num_seeds)
+        assert sum(batch.num_sampled_nodes) == batch.num_nodes
+        assert sum(batch.num_sampled_edges) == batch.edge_index.size(1)
+        node_start = edge_start = 0
+        for hop, f in enumerate(fanout):
+            frontier = range(node_start, node_start + batch.num_sampled_nodes[hop])
+            hop_edges = batch.edge_index[:, edge_start:edge_start + batch.num_sampled_edges[hop]]
+            targets = hop_edges[1]
+            assert all(int(t) in frontier for t in targets.unique())  # messages flow towards this hop
+            in_edges = torch.bincount(targets, minlength=batch.num_nodes)[node_start:frontier.stop]
+            expected = degree[batch.n_id[node_start:frontier.stop]].clamp(max=f)
+            assert torch.equal(in_edges, expected)  # min(degree, fan-out), sampled without replacement
+            assert hop_edges.t().unique(dim=0).size(0) == hop_edges.size(1)
+            node_start, edge_start = frontier.stop, edge_start + hop_edges.size(1)
+
+
+def test_neighbor_steps_per_epoch(cora: Data) -> None:
+    view = build_view(cora, ViewConfig(kind="neighbor", batch_size=64, steps_per_epoch=5, fanout=(2,)), 0, 1, 0)
+    batches = list(islice(view.batches(0), 10))
+    assert len(batches) == 5 and all(int(b.loss_mask.sum()) <= 64 for b in batches)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match=r"view\.kind must be one of full, metis.*got 'graphsaint'"):
+        ViewConfig(kind="graphsaint")
+    with pytest.raises(ValueError, match=r"^view\.parts must be >= 1, got 0$"):
+        ViewConfig(parts=0)
+    with pytest.raises(ValueError, match=r"view\.batch_size must be >= 0"):
+        ViewConfig(batch_size=-1)
+    with pytest.raises(ValueError, match=r"view\.fanout"):
+        ViewConfig(fanout=(10, 0))
+    assert ViewConfig(fanout=[5, 5]).fanout == (5, 5)  # type: ignore[arg-type]
+
+
+def test_bad_input_is_a_clear_value_error(cora: Data) -> None:
+    too_many = cora.num_nodes + 1
+    for kind in ("metis", "random"):
+        with pytest.raises(ValueError, match=rf"cannot split {cora.num_nodes} nodes into {too_many} parts"):
+            build_view(cora, ViewConfig(kind=kind), 0, too_many, seed=0)
+    with pytest.raises(ValueError, match=r"k=4 is out of range for 4 ingredients"):
+        build_view(cora, ViewConfig(), 4, 4, seed=0)
+    with pytest.raises(ValueError, match=r"view\.parts=5000 is more than the 2708 nodes"):
+        build_view(cora, ViewConfig(kind="cluster", parts=5000), 0, 1, seed=0)
+    with pytest.raises(ValueError, match=r"view\.parts_per_batch=8 must be <= view\.parts=4"):
+        build_view(cora, ViewConfig(kind="cluster", parts=4, parts_per_batch=8), 0, 1, seed=0)
+    no_train = cora.clone()
+    no_train.train_mask = torch.zeros_like(cora.train_mask)
+    with pytest.raises(ValueError, match="train split is empty"):
+        build_view(no_train, ViewConfig(kind="neighbor"), 0, 1, seed=0)
