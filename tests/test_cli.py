@@ -1,0 +1,36 @@
+"""The command lines as a user meets them: bad input gives one line and exit code 2, no traceback."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_module
+
+BAD_TRAIN_INPUTS = [
+    (["--data-root", "/nonexistent/ladle-data"], "data root /nonexistent/ladle-data does not exist"),
+    (["dataset=nope"], "unknown dataset 'nope'"),
+    (["bogus=1"], "unknown recipe key 'bogus'"),
+    (["epochs=many"], "recipe key 'epochs' must be of type int"),
+    (["--ingredients", "0"], "--ingredients must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--ingredients", "3000", "view.kind=metis"], "cannot split 2708 nodes into 3000 parts"),
+    (["--recipe", "missing-recipe"], "recipe 'missing-recipe' not found"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_TRAIN_INPUTS)
+def test_train_rejects_bad_input_with_one_line(data_root: Path, tmp_path: Path, args: list[str],
+                                               message: str) -> None:
+    extra = [] if "--data-root" in args else ["--data-root", str(data_root)]
+    result = run_module("ladle.train", *args, *extra, "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_soup_without_a_run_says_what_to_do(tmp_path: Path) -> None:
+    result = run_module("ladle.soup", "--run-dir", str(tmp_path / "none"))
+    assert result.returncode == 2
+    assert "run directory" in result.stderr and "Traceback" not in result.stderr
