@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor
@@ -72,11 +72,21 @@ def read_json(path: Path) -> dict[str, Any]:
     return payload
 
 
-def save_state(path: Path, state: StateDict) -> None:
-    """Atomically save tensors as safetensors (contiguous CPU copies)."""
+def save_state(path: Path, state: StateDict, metadata: dict[str, str] | None = None) -> None:
+    """Atomically save tensors (contiguous CPU copies) and optional string metadata as safetensors."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     with atomic_open(path) as stream:
-        stream.write(save_safetensors_bytes(tensors))
+        stream.write(save_safetensors_bytes(tensors, metadata=metadata))
+
+
+def load_state_and_metadata(path: Path) -> tuple[StateDict, dict[str, str]]:
+    """Load a safetensors file with its header metadata (one file: both change together, atomically)."""
+    state = load_state(path)
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return state, dict(handle.metadata() or {})
+    except (SafetensorError, OSError) as error:
+        raise LadleError(f"checkpoint {path} is corrupt or truncated ({error}); retrain it or remove it") from None
 
 
 def load_state(path: Path) -> StateDict:

@@ -129,6 +129,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return tuple(_coerce(key, item, item_hint) for item in value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         name = getattr(hint, "__name__", str(hint))
         raise LadleError(f"recipe key '{key}' must be of type {name}, got {value!r}")

@@ -116,7 +116,12 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         raise LadleError(f"--workers must be >= 1, got {workers}")
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
-    device = resolve_device(device)
+    if backend == "ray":
+        from ladle.ray_backend import import_ray
+
+        import_ray()  # fail before anything is written when Ray is missing
+    else:
+        device = resolve_device(device)  # under Ray the GPUs are on the cluster, not necessarily here
     data_root = None if data_root is None else str(data_root)
 
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)  # stages + validates once

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from torch import Tensor
 from torch_geometric.data import Data
 from tqdm import tqdm
 
-from ladle.checkpoints import ingredient_name, save_state, write_json
+from ladle.checkpoints import (StateDict, ingredient_name, load_state, load_state_and_metadata, save_state,
+                               write_json)
 from ladle.config import Recipe, load_recipe
 from ladle.errors import LadleError, run_cli
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
@@ -70,15 +72,71 @@ class IngredientTask:
     num_ingredients: int
     run_dir: Path
     init: str  # "shared" | "independent"
+    save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
 
     @property
     def name(self) -> str:
         return "baseline" if self.k is None else ingredient_name(self.k)
 
+    @property
+    def progress_path(self) -> Path:
+        return self.run_dir / f"{self.name}.progress.safetensors"
+
+
+@dataclass
+class Progress:
+    """Where an ingredient's training stands; with the tensors, enough to resume bitwise-identically."""
+
+    next_epoch: int = 0
+    best_acc: float = -1.0
+    best_neg_loss: float = 0.0
+    best_epoch: int = -1
+    stale: int = 0
+    seconds: float = 0.0
+
+    @property
+    def best_key(self) -> tuple[float, float]:
+        return (self.best_acc, self.best_neg_loss)
+
+
+def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
+                  progress: Progress) -> None:
+    """One atomic file: weights, best weights, optimiser state, RNG state, counters (in the header)."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"best.{k}": v for k, v in best_state.items()}
+    optim = optimizer.state_dict()
+    for index, slots in optim["state"].items():
+        tensors |= {f"optim.{index}.{name}": value for name, value in slots.items()}
+    tensors["rng"] = torch.get_rng_state()
+    header = {"progress": json.dumps(asdict(progress)), "param_groups": json.dumps(optim["param_groups"])}
+    save_state(task.progress_path, tensors, header)
+
+
+def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
+    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, best weights."""
+    tensors, header = load_state_and_metadata(task.progress_path)
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError:
+        raise LadleError(f"{task.progress_path} was written by another architecture; delete it to restart") from None
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
+    torch.set_rng_state(tensors["rng"])
+    best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
+    return Progress(**json.loads(header["progress"])), best_state
+
 
 def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
                      progress_position: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Train one ingredient to its best-validation weights; write them and their metadata; return it."""
+    """Train one ingredient to its best-validation weights; write them and their metadata; return it.
+
+    Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
+    this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
+    """
     start = time.perf_counter()
     k = -1 if task.k is None else task.k
     seed = ingredient_seed(recipe.seed, k)
@@ -87,12 +145,15 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
     if task.init == "shared":
-        from ladle.checkpoints import load_state
-
         model.load_state_dict(load_state(task.run_dir / "init.safetensors"))
     torch.manual_seed(seed)
     model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    if task.progress_path.exists():
+        progress, best_state = load_progress(task, model, optimizer)
+        log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
+    else:
+        progress, best_state = Progress(), copy.deepcopy(model.state_dict())
 
     if full_inputs is None:
         full_inputs = graph_inputs(data, recipe.model)
@@ -100,11 +161,11 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(eval_graph, recipe.model)
     static_inputs: GraphInputs | None = None
 
-    best_state, best_key, best_epoch, stale = copy.deepcopy(model.state_dict()), (-1.0, 0.0), -1, 0
-    bar = tqdm(total=recipe.epochs, desc=task.name, position=progress_position, leave=False,
-               dynamic_ncols=True, disable=None)
-    epoch = 0
-    for epoch in range(recipe.epochs):
+    bar = tqdm(total=recipe.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
+               leave=False, dynamic_ncols=True, disable=None)
+    for epoch in range(progress.next_epoch, recipe.epochs):
+        if progress.stale >= recipe.patience:
+            break
         model.train()
         for batch in view.batches(epoch):
             if view.static:
@@ -119,20 +180,24 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
             loss = batch_loss(model(inputs), batch)
             if not torch.isfinite(loss):
                 bar.close()
-                raise FloatingPointError(f"{task.name}: loss became {loss.item()} at epoch {epoch}")
+                raise FloatingPointError(f"{task.name}: loss became {loss.item()} at epoch {epoch}; "
+                                         "lower lr or check the features")
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         val_acc, val_loss = evaluate(model, eval_inputs, eval_graph.y, eval_graph.val_mask)
-        if (val_acc, -val_loss) > best_key:
-            best_key, best_epoch, stale = (val_acc, -val_loss), epoch, 0
+        if (val_acc, -val_loss) > progress.best_key:
+            progress.best_acc, progress.best_neg_loss, progress.best_epoch, progress.stale = (
+                val_acc, -val_loss, epoch, 0)
             best_state = copy.deepcopy(model.state_dict())
         else:
-            stale += 1
+            progress.stale += 1
+        progress.next_epoch = epoch + 1
+        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < recipe.epochs:
+            save_progress(task, model, optimizer, best_state,
+                          replace(progress, seconds=progress.seconds + time.perf_counter() - start))
         bar.update(1)
-        bar.set_postfix(val=f"{val_acc:.3f}", best=f"{best_key[0]:.3f}")
-        if stale >= recipe.patience:
-            break
+        bar.set_postfix(val=f"{val_acc:.3f}", best=f"{progress.best_acc:.3f}")
     bar.close()
 
     model.load_state_dict(best_state)
@@ -142,14 +207,15 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     meta = {
         "name": task.name, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
-        "epochs_run": epoch + 1, "best_epoch": best_epoch, "view_val_acc": best_key[0],
+        "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
         "val_acc": val_acc, "val_loss": val_loss, "test_acc": test_acc,
-        "train_seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "pid": os.getpid(),
-        "threads": torch.get_num_threads(),
+        "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
+        "pid": os.getpid(), "threads": torch.get_num_threads(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
         "status": "done",
     }
     write_json(task.run_dir / f"{task.name}.json", meta)
+    task.progress_path.unlink(missing_ok=True)
     return meta
 
 

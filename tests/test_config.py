@@ -33,6 +33,7 @@ def test_overrides_reach_nested_keys_and_convert_types() -> None:
     assert (recipe.dataset, recipe.view.kind, recipe.epochs, recipe.soup.grid) == ("citeseer", "metis", 50, 11)
     assert recipe.lr == 1.0 and isinstance(recipe.lr, float)
     assert recipe.view.fanout == (5, 3)
+    assert load_recipe(None, ["lr=1e-3"]).lr == 1e-3
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -21,14 +21,14 @@ from ladle.errors import LadleError
 from ladle.launch import RunResult, train_ingredients
 
 K = 4
-OVERRIDES = ["dataset=cora", "view.kind=metis", "epochs=5", "hidden=16", "seed=3"]
+OVERRIDES = ["dataset=cora", "view.kind=random", "epochs=5", "hidden=16", "seed=3"]
 
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     """A local 2-CPU Ray cluster for the module; its GCS address."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -81,6 +81,16 @@ def test_faults_retried_and_gathered(recipe: Recipe, data_root: Path, tmp_path: 
         assert (markers / f"{name}.{mode}").is_file(), "the injected fault did not fire"
         _assert_same_weights(run, local_run)
         assert not list((run_dir / mode).glob(".*.tmp"))
+
+
+def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:
+    """A NaN loss fails its ingredient at once (a retry would fail the same way); the run records it."""
+    exploding = load_recipe(None, [*OVERRIDES, "lr=1.0e+30"])
+    run = _ray_run(exploding, data_root, tmp_path / "nan", ray_address)
+    assert run.failed == [f"ingredient-{k:02d}" for k in range(K)] and not run.ingredients
+    status = read_json(run.run_dir / "ingredient-00.json")
+    assert status["status"] == "failed" and status["error"].startswith("FloatingPointError: ")
+    assert read_json(run.run_dir / "run.json")["status"] == "failed"
 
 
 def test_cuda_needs_gpus(recipe: Recipe) -> None:
