@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch_geometric.data import Data
 
-from ladle.checkpoints import read_json, save_state, update_latest, write_json
+from ladle.checkpoints import read_json, resolve_run_dir, save_state, update_latest, write_json
 from ladle.config import Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, build_model, graph_inputs
 from ladle.train import IngredientTask, train_ingredient
+from ladle.views import build_view
 
 log = logging.getLogger(__name__)
 
@@ -103,45 +105,40 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = "checkpoints", backend: str = "local",
-                      ray_options: dict[str, Any] | None = None) -> RunResult:
+                      ray_options: dict[str, Any] | None = None, save_every: int = 10) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
     ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
+    ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
-    workers = min(ingredients + int(baseline), available_cores()) if workers is None else workers
-    if workers < 1:
-        raise LadleError(f"--workers must be >= 1, got {workers}")
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
-    if backend == "ray":
-        from ladle.ray_backend import import_ray
-
-        import_ray()  # fail before anything is written when Ray is missing
-    else:
-        device = resolve_device(device)  # under Ray the GPUs are on the cluster, not necessarily here
+    workers = _check_backend(backend, workers, ingredients + int(baseline))
+    device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
     data_root = None if data_root is None else str(data_root)
 
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)  # stages + validates once
-    from ladle.views import build_view
-
-    build_view(data, recipe.view, 0, ingredients, recipe.seed)  # bad view settings fail here, not in K workers
+    partition = prepare_partition(data, recipe, ingredients)  # bad view settings fail here, not in K workers
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else _new_run_dir(recipe, checkpoints_root)
-    run_path.mkdir(parents=True, exist_ok=True)
+    try:
+        run_path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create run directory {run_path}: {error.strerror} (choose another --run-dir)") from None
     if not os.access(run_path, os.W_OK):
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
     torch.manual_seed(recipe.seed)
     save_state(run_path / "init.safetensors", build_model(recipe, data.num_features, data.num_classes).state_dict())
-    tasks = [IngredientTask(k, ingredients, run_path, init) for k in range(ingredients)]
-    if baseline:
-        tasks.append(IngredientTask(None, ingredients, run_path, "shared"))
+    if partition is not None:
+        save_state(run_path / "partition.safetensors", {"parts": partition})
     run_meta = {
         "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
-        "baseline": baseline, "device": device, "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
         "dataset": {"name": recipe.dataset, "nodes": data.num_nodes, "edges": data.num_edges,
                     "features": data.num_features, "classes": data.num_classes},
         "status": "running",
@@ -150,24 +147,87 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
         update_latest(checkpoints_root, run_path)
     del data
+    tasks = [IngredientTask(k, ingredients, run_path, init, save_every) for k in range(ingredients)]
+    if baseline:
+        tasks.append(IngredientTask(None, ingredients, run_path, "shared", save_every))
+    return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options)
 
-    if backend == "local":
+
+def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
+               backend: str | None = None, ray_options: dict[str, Any] | None = None) -> RunResult:
+    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint
+    restart from their last training-state file (or from scratch), bitwise as if never stopped."""
+    run_path = resolve_run_dir(run_dir)
+    run_meta = read_json(run_path / "run.json")
+    recipe = recipe_from_dict(run_meta["recipe"])
+    backend = backend or run_meta.get("backend", "local")
+    save_every = int(run_meta.get("save_every", 10))
+    tasks = [IngredientTask(k, run_meta["ingredients"], run_path, run_meta["init"], save_every)
+             for k in range(run_meta["ingredients"])]
+    if run_meta.get("baseline"):
+        tasks.append(IngredientTask(None, run_meta["ingredients"], run_path, "shared", save_every))
+    todo = [task for task in tasks if not _finished(task)]
+    log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
+    workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
+    data_root = None if data_root is None else str(data_root)
+    return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
+                    ray_options)
+
+
+def _finished(task: IngredientTask) -> bool:
+    meta_path = task.run_dir / f"{task.name}.json"
+    weights = task.run_dir / f"{task.name}.safetensors"
+    return weights.is_file() and meta_path.is_file() and read_json(meta_path).get("status") == "done"
+
+
+def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
+    if backend == "ray":
+        from ladle.ray_backend import import_ray
+
+        import_ray()  # fail before anything is written when Ray is missing
+    elif backend != "local":
+        raise LadleError(f"unknown backend {backend!r} (local or ray)")
+    workers = min(tasks, available_cores()) if workers is None else workers
+    if workers < 1:
+        raise LadleError(f"--workers must be >= 1, got {workers}")
+    return workers
+
+
+def prepare_partition(data: Data, recipe: Recipe, ingredients: int) -> Tensor | None:
+    """The run's node partition, computed once here so every worker reads the same one.
+
+    (METIS draws from the process-wide ``rand()``, so computing it in each worker is not reproducible
+    when other threads also draw.) Also validates the view settings before any worker starts.
+    """
+    view = build_view(data, recipe.view, 0, ingredients, recipe.seed)
+    return getattr(view, "parts", None)
+
+
+def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
+             data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None) -> RunResult:
+    if not tasks:
+        results, failed = {}, {}
+    elif backend == "local":
         results, failed = run_local(tasks, recipe, data_root, workers, device)
-    elif backend == "ray":
+    else:
         from ladle.ray_backend import run_ray
 
         results, failed = run_ray(tasks, recipe, data_root, device, ray_options or {})
-    else:
-        raise LadleError(f"unknown backend {backend!r} (local or ray)")
     for task in tasks:
         if task.name in failed:
             write_json(run_path / f"{task.name}.json",
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
+    every = [IngredientTask(k, run_meta["ingredients"], run_path, run_meta["init"])
+             for k in range(run_meta["ingredients"])]
+    if run_meta.get("baseline"):
+        every.append(IngredientTask(None, run_meta["ingredients"], run_path, "shared"))
+    metas = {task.name: read_json(run_path / f"{task.name}.json") for task in every if _finished(task)}
+    metas.update(results)
     run_meta["status"] = "failed" if failed else "done"
     run_meta["failed"] = sorted(failed)
     write_json(run_path / "run.json", run_meta)
-    ordered = [results[n] for n in sorted(results) if n != "baseline"]
-    return RunResult(run_path, ordered, results.get("baseline"), sorted(failed))
+    ordered = [metas[name] for name in sorted(metas) if name != "baseline"]
+    return RunResult(run_path, ordered, metas.get("baseline"), sorted(failed))
 
 
 def run_local(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, workers: int,

@@ -141,7 +141,10 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     k = -1 if task.k is None else task.k
     seed = ingredient_seed(recipe.seed, k)
     view_config = recipe.view if task.k is not None else type(recipe.view)(kind="full")
-    view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1, recipe.seed)
+    partition_path = task.run_dir / "partition.safetensors"
+    partition = load_state(partition_path)["parts"] if task.k is not None and partition_path.exists() else None
+    view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1, recipe.seed,
+                      partition)
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
     if task.init == "shared":
@@ -239,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--independent-init", dest="init", action="store_const", const="independent",
                       help="each ingredient draws its own initial weights")
     parser.set_defaults(init="shared")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish an interrupted run (--run-dir, default checkpoints/latest); recipe flags are ignored")
+    parser.add_argument("--save-every", type=int, default=10, metavar="N",
+                        help="save the resumable training state every N epochs (default 10, 0: never)")
     parser.add_argument("--baseline", action="store_true",
                         help="also train one full-graph model for the same epochs (the soup's reference)")
     parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
@@ -256,18 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.train``."""
-    from ladle.launch import train_ingredients
+    from ladle.launch import resume_run, train_ingredients
 
     args = build_parser().parse_args(argv)
+    ray_options = {"address": args.address, "cpus": args.cpus_per_ingredient, "gpus": args.gpus_per_ingredient,
+                   "gather": args.gather}
+    if args.save_every < 0:
+        raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.resume:
+        run = resume_run(args.run_dir, args.workers, args.data_root, ray_options=ray_options)
+        print(run.summary_table())
+        print(f"run directory: {run.run_dir}")
+        return 0 if not run.failed else 1
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"seed={args.seed}")
     recipe = load_recipe(args.recipe, overrides)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
-                            backend=args.backend,
-                            ray_options={"address": args.address, "cpus": args.cpus_per_ingredient,
-                                         "gpus": args.gpus_per_ingredient, "gather": args.gather})
+                            backend=args.backend, ray_options=ray_options, save_every=args.save_every)
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1

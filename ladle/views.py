@@ -174,7 +174,8 @@ class IngredientView:
 
     static: bool = False
 
-    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> None:
+    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+                 partition: Tensor | None = None) -> None:
         self.kind = config.kind
         self.k = k
         self.num_ingredients = num_ingredients
@@ -231,12 +232,15 @@ class PartitionView(IngredientView):
 
     static = True
 
-    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> None:
+    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+                 partition: Tensor | None = None) -> None:
         super().__init__(data, config, k, num_ingredients, seed)
         if num_ingredients > data.num_nodes:
             raise ValueError(f"view.kind={self.kind}: cannot split {data.num_nodes} nodes into "
                              f"{num_ingredients} parts; use at most {data.num_nodes} ingredients")
-        if self.kind == "metis":
+        if partition is not None:
+            self.parts = partition
+        elif self.kind == "metis":
             self.parts = metis_partition(self.adj, num_ingredients, seed)
         else:
             self.parts = random_partition(data.num_nodes, num_ingredients, _generator(seed, _PARTITION_STREAM))
@@ -263,15 +267,16 @@ class ClusterView(IngredientView):
     is the induced subgraph of ``parts_per_batch`` random parts, edges between them kept.
     """
 
-    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> None:
+    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+                 partition: Tensor | None = None) -> None:
         super().__init__(data, config, k, num_ingredients, seed)
         if config.parts > data.num_nodes:
             raise ValueError(f"view.parts={config.parts} is more than the {data.num_nodes} nodes of the graph")
         if config.parts_per_batch > config.parts:
             raise ValueError(f"view.parts_per_batch={config.parts_per_batch} must be <= view.parts={config.parts}")
-        parts = metis_partition(self.adj, config.parts, seed)
-        order = torch.argsort(parts, stable=True)
-        sizes = torch.bincount(parts, minlength=config.parts)
+        self.parts = metis_partition(self.adj, config.parts, seed) if partition is None else partition
+        order = torch.argsort(self.parts, stable=True)
+        sizes = torch.bincount(self.parts, minlength=config.parts)
         self.members = [group for group in order.split(sizes.tolist()) if group.numel() > 0]
 
     def steps_per_epoch(self) -> int:
@@ -305,7 +310,8 @@ class SaintView(IngredientView):
     coverage that put weight 1e4 on 0.4% of the node sampler's edges on Cora), so every weight is >= 1.
     """
 
-    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> None:
+    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+                 partition: Tensor | None = None) -> None:
         super().__init__(data, config, k, num_ingredients, seed)
         num_nodes = data.num_nodes
         num_train = int(data.train_mask.sum())
@@ -394,7 +400,8 @@ class NeighborView(IngredientView):
     PyG's ``NeighborLoader``), and ``loss_mask`` marks the seeds only.
     """
 
-    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> None:
+    def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+                 partition: Tensor | None = None) -> None:
         super().__init__(data, config, k, num_ingredients, seed)
         self.train_nodes = data.train_mask.nonzero().view(-1)
         if self.train_nodes.numel() == 0:
@@ -445,8 +452,13 @@ _VIEWS: dict[str, type[IngredientView]] = {
 }
 
 
-def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int) -> IngredientView:
-    """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once)."""
+def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
+               partition: Tensor | None = None) -> IngredientView:
+    """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once).
+
+    ``partition``: the node -> part ids of a ``metis``/``random``/``cluster`` view computed earlier
+    (the launcher computes it once per run, so all workers use the same one).
+    """
     if num_ingredients < 1:
         raise ValueError(f"the number of ingredients must be >= 1, got {num_ingredients}")
     if not 0 <= k < num_ingredients:
@@ -456,4 +468,6 @@ def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, see
         raise ValueError(f"seed must be >= 0, got {seed}")
     if data.num_nodes == 0:
         raise ValueError("the graph has no nodes")
-    return _VIEWS[config.kind](data, config, k, num_ingredients, seed)
+    if partition is not None and partition.numel() != data.num_nodes:
+        raise ValueError(f"the partition has {partition.numel()} entries but the graph {data.num_nodes} nodes")
+    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)
