@@ -105,12 +105,14 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = "checkpoints", backend: str = "local",
-                      ray_options: dict[str, Any] | None = None, save_every: int = 10) -> RunResult:
+                      ray_options: dict[str, Any] | None = None, save_every: int = 10,
+                      threads: int | None = None) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
     ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
     ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
+    ``threads``: torch threads per local worker (default: cores / workers).
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
@@ -150,7 +152,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     tasks = [IngredientTask(k, ingredients, run_path, init, save_every) for k in range(ingredients)]
     if baseline:
         tasks.append(IngredientTask(None, ingredients, run_path, "shared", save_every))
-    return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options)
+    return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
@@ -204,11 +206,12 @@ def prepare_partition(data: Data, recipe: Recipe, ingredients: int) -> Tensor | 
 
 
 def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
-             data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None) -> RunResult:
+             data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
+             threads: int | None = None) -> RunResult:
     if not tasks:
         results, failed = {}, {}
     elif backend == "local":
-        results, failed = run_local(tasks, recipe, data_root, workers, device)
+        results, failed = run_local(tasks, recipe, data_root, workers, device, threads)
     else:
         from ladle.ray_backend import run_ray
 
@@ -231,10 +234,10 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
 
 
 def run_local(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, workers: int,
-              device: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+              device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each; return
     (metadata by name, error by name of those that failed). A failing ingredient does not stop the others."""
-    threads = max(1, available_cores() // workers)
+    threads = threads or max(1, available_cores() // workers)
     context = mp.get_context("spawn")
     slots = context.Queue()
     for slot in range(workers):

@@ -71,10 +71,7 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
 def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
     """``accuracy.png`` (ingredients vs soups vs references) and ``alpha.png`` (val acc against alpha)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves a notebook's plotting backend alone
     except ImportError:
         log.info("matplotlib not installed: no plots (pip install 'ladle[plots]')")
         return []
@@ -85,7 +82,8 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
         tests.append(test)
         colours.append("tab:blue" if name.startswith("ingredient") else
                        "tab:green" if name.startswith("soup") else "tab:gray")
-    figure, axis = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4))
+    figure = Figure(figsize=(max(6, 0.45 * len(names)), 4))
+    axis = figure.subplots()
     axis.bar(range(len(names)), tests, color=colours)
     axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
     low = min(tests)
@@ -94,10 +92,10 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
     axis.set_title(f"{report['dataset']} / {report['model']} / {report['view']}")
     figure.tight_layout()
     written.append(_save(figure, run_dir / "accuracy.png"))
-    plt.close(figure)
     gis = [s for s in report["soups"] if s["method"] == "gis" and s["curves"]]
     if gis:
-        figure, axis = plt.subplots(figsize=(6, 4))
+        figure = Figure(figsize=(6, 4))
+        axis = figure.subplots()
         for step, curve in enumerate(gis[0]["curves"], start=2):
             alphas = [point[0] for point in curve]
             accuracy = [point[1] for point in curve]
@@ -107,7 +105,6 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
         axis.legend(fontsize=7, ncol=2)
         figure.tight_layout()
         written.append(_save(figure, run_dir / "alpha.png"))
-        plt.close(figure)
     return written
 
 

@@ -1,0 +1,129 @@
+"""Soup accuracy benchmark: test accuracy at best validation, mean ± std over seeds, K ingredients.
+
+For each experiment and seed it trains K ingredients and a full-graph baseline (same epochs), soups
+them with every method and validation metric, and compares with the baseline and the logit ensemble.
+Not a test: run it by hand (a few minutes to an hour), e.g.
+
+    python bench/soup_accuracy.py --experiments main --seeds 5
+    python bench/soup_accuracy.py --experiments views init bn --seeds 3
+
+Results go to bench/results/<experiment>.json and a Markdown table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ladle.config import load_recipe
+from ladle.launch import train_ingredients
+from ladle.soup import soup_run
+
+# label -> (recipe, overrides, init)
+EXPERIMENTS: dict[str, list[tuple[str, str, list[str], str]]] = {
+    "main": [
+        ("Cora GCN", "cora-gcn", [], "shared"),
+        ("CiteSeer GCN", "citeseer-gcn", [], "shared"),
+        ("Physics GCN", "physics-gcn", ["view.kind=full"], "shared"),
+        ("Cora SAGE", "cora-sage", ["view.kind=full"], "shared"),
+        ("Cora GAT", "cora-gat", [], "shared"),
+    ],
+    "views": [
+        (f"Cora GCN {kind}", "cora-gcn", [f"view.kind={kind}"], "shared")
+        for kind in ("cluster", "saint-node", "saint-edge", "saint-rw", "neighbor", "metis", "random")
+    ],
+    "init": [
+        ("Cora GCN full, independent init", "cora-gcn", [], "independent"),
+        ("CiteSeer GCN full, independent init", "citeseer-gcn", [], "independent"),
+    ],
+    "bn": [("Cora GCN full, batch norm", "cora-gcn", ["norm=batch"], "shared")],
+}
+METRICS = ("acc", "loss", "acc+loss")
+
+
+def run_one(recipe_name: str, overrides: list[str], init: str, seed: int, ingredients: int, workers: int,
+            root: Path, data_root: str | None, bn_variants: bool) -> dict[str, Any]:
+    """Train one seed's ingredients + baseline and soup them every way; return the figures."""
+    recipe = load_recipe(recipe_name, [*overrides, f"seed={seed}"])
+    start = time.perf_counter()
+    run = train_ingredients(recipe, ingredients=ingredients, workers=workers, run_dir=root / f"seed{seed}",
+                            init=init, baseline=True, data_root=data_root)
+    train_seconds = time.perf_counter() - start
+    result: dict[str, Any] = {"seed": seed, "train_wall_seconds": train_seconds}
+    for metric in METRICS:
+        for search in ("grid", "fast") if metric == "acc+loss" else ("grid",):
+            began = time.perf_counter()
+            report = soup_run(run.run_dir, metric=metric, search=search, data_root=data_root,
+                              write=metric == "acc+loss" and search == "grid")
+            suffix = f"{metric}/{search}"
+            result[f"soup_seconds/{suffix}"] = time.perf_counter() - began
+            for soup in report["soups"]:
+                result[f"{soup['method']}/{suffix}"] = soup["test_acc"]
+                result[f"{soup['method']}/{suffix}/evals"] = soup["evaluations"]
+                result[f"{soup['method']}/{suffix}/kept"] = len(soup["kept"])
+    result["baseline"] = next(r["test_acc"] for r in report["references"] if r["name"] == "baseline")
+    result["ensemble"] = next(r["test_acc"] for r in report["references"] if r["name"] == "ensemble")
+    result["mean ingredient"] = report["mean_ingredient"]["test_acc"]
+    result["best ingredient"] = report["best_ingredient"]["test_acc"]
+    result["ingredient_train_seconds"] = report["ingredient_train_seconds"]
+    result["label_histograms"] = [v.get("label_histogram") for v in report["views"]]
+    if bn_variants:
+        off = soup_run(run.run_dir, recompute_bn=False, data_root=data_root, write=False)
+        for soup in off["soups"]:
+            result[f"{soup['method']}/no-bn-recompute"] = soup["test_acc"]
+    return result
+
+
+def mean_std(values: list[float]) -> str:
+    """``82.1 ± 0.4`` in percent."""
+    if len(values) == 1:
+        return f"{100 * values[0]:.1f}"
+    return f"{100 * statistics.mean(values):.1f} ± {100 * statistics.stdev(values):.1f}"
+
+
+def table(label: str, rows: list[dict[str, Any]]) -> str:
+    """One Markdown line: baseline, ingredients, soups (acc+loss, grid), ensemble."""
+    columns = ["baseline", "mean ingredient", "best ingredient", "uniform/acc+loss/grid", "greedy/acc+loss/grid",
+               "gis/acc/grid", "gis/loss/grid", "gis/acc+loss/grid", "gis/acc+loss/fast", "ensemble"]
+    cells = [mean_std([r[c] for r in rows]) for c in columns]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+HEADER = ("| experiment | baseline | mean ingr. | best ingr. | uniform | greedy | GIS (acc) | GIS (loss) | "
+          "GIS (acc+loss) | GIS fast | ensemble |\n|" + "---|" * 11)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiments", nargs="+", default=["main"], choices=sorted(EXPERIMENTS))
+    parser.add_argument("--only", nargs="*", help="labels to keep (substring match)")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--ingredients", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--data-root")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = [HEADER]
+    for experiment in args.experiments:
+        for label, recipe_name, overrides, init in EXPERIMENTS[experiment]:
+            if args.only and not any(o in label for o in args.only):
+                continue
+            with tempfile.TemporaryDirectory() as scratch:
+                rows = [run_one(recipe_name, overrides, init, seed, args.ingredients, args.workers, Path(scratch),
+                                args.data_root, experiment == "bn") for seed in range(args.seeds)]
+            record = {"label": label, "recipe": recipe_name, "overrides": overrides, "init": init,
+                      "ingredients": args.ingredients, "rows": rows}
+            name = label.lower().replace(" ", "-").replace(",", "")
+            (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
+            lines.append(table(label, rows))
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
