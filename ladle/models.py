@@ -57,6 +57,12 @@ class GraphInputs:
     adj: SparseMatrix | Tensor
     num_nodes: int
 
+    def to(self, device: torch.device | str) -> GraphInputs:
+        """The same inputs on ``device`` (a no-op on CPU)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return GraphInputs(self.x.to(device), self.adj.to(device), self.num_nodes)
+
 
 def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tensor | None = None) -> SparseMatrix | Tensor:
     """The adjacency a model aggregates with; rows are targets (messages flow ``src -> dst``).

@@ -160,8 +160,10 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
 
     if full_inputs is None:
         full_inputs = graph_inputs(data, recipe.model)
+    full_inputs = full_inputs.to(device)
     eval_graph = view.eval_graph()
-    eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(eval_graph, recipe.model)
+    eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(
+        eval_graph, recipe.model).to(device)
     static_inputs: GraphInputs | None = None
 
     bar = tqdm(total=recipe.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
@@ -177,10 +179,10 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
                         batch, recipe.model)
                 inputs = static_inputs
             else:
-                inputs = graph_inputs(batch, recipe.model)
+                inputs = graph_inputs(batch, recipe.model).to(device)
             if not bool(batch.loss_mask.any()):
                 continue
-            loss = batch_loss(model(inputs), batch)
+            loss = batch_loss(model(inputs), batch.to(device))
             if not torch.isfinite(loss):
                 bar.close()
                 raise FloatingPointError(f"{task.name}: loss became {loss.item()} at epoch {epoch}; "
@@ -188,7 +190,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        val_acc, val_loss = evaluate(model, eval_inputs, eval_graph.y, eval_graph.val_mask)
+        val_acc, val_loss = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
         if (val_acc, -val_loss) > progress.best_key:
             progress.best_acc, progress.best_neg_loss, progress.best_epoch, progress.stale = (
                 val_acc, -val_loss, epoch, 0)
@@ -204,8 +206,8 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     bar.close()
 
     model.load_state_dict(best_state)
-    val_acc, val_loss = evaluate(model, full_inputs, data.y, data.val_mask)
-    test_acc, _ = evaluate(model, full_inputs, data.y, data.test_mask)
+    val_acc, val_loss = evaluate(model, full_inputs, data.y.to(device), data.val_mask.to(device))
+    test_acc, _ = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
     save_state(task.run_dir / f"{task.name}.safetensors", model.state_dict())
     meta = {
         "name": task.name, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
