@@ -33,6 +33,7 @@ test-slow: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/soup_accuracy.py
+	$(BIN)/python bench/varrate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

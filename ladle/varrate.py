@@ -22,7 +22,6 @@ import argparse
 import copy
 import datetime as dt
 import logging
-import math
 import os
 import socket
 import time
@@ -243,7 +242,7 @@ class RateSchedule:
 # ---------------------------------------------------------------- partition plan
 
 
-@dataclass
+@dataclass(eq=False)
 class HaloPlan:
     """What rank ``rank`` of ``world`` owns, sends and receives at every layer.
 
@@ -364,7 +363,7 @@ def exchange_key(seed: int, step: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, step, layer]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-@dataclass
+@dataclass(eq=False)
 class HaloExchange:
     """One step's halo exchanges: which plan, compressor and ratio, and where to count the bytes.
 
@@ -456,7 +455,7 @@ def _with_halo(rows: Tensor, exchange: HaloExchange | None, layer: int) -> Tenso
     return rows if exchange is None else torch.cat([rows, exchange(rows, layer)])
 
 
-@dataclass
+@dataclass(eq=False)
 class Shard:
     """What one rank holds: its plan and its rows of the features, labels and split masks.
 
@@ -667,21 +666,25 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
     if name not in ("full", "none"):
         name += f" ({meta['compressor']})"
     seconds = meta["seconds_per_epoch"]
-    return {"name": name, "test_acc": meta["test_acc"], "bytes": meta["bytes"]["training"],
-            "halo_bytes": meta["bytes"]["forward_halo"] + meta["bytes"]["backward_halo"],
+    halo, halo_curve = 0, []
+    for row in meta["history"]:
+        halo += row["forward_halo"] + row["backward_halo"]
+        halo_curve.append((halo, row["best_test_acc"]))
+    return {"name": name, "test_acc": meta["test_acc"], "bytes": meta["bytes"]["training"], "halo_bytes": halo,
             "allreduce_bytes": meta["bytes"]["allreduce"], "step_seconds": seconds["step"],
-            "eval_seconds": seconds["eval"],
-            "epochs": meta["epochs_run"],
-            "curve": [(row["training_bytes"], row["best_test_acc"]) for row in meta["history"]]}
+            "eval_seconds": seconds["eval"], "epochs": meta["epochs_run"],
+            "curve": [(row["training_bytes"], row["best_test_acc"]) for row in meta["history"]],
+            "halo_curve": halo_curve}
 
 
 def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, Any]]) -> list[Path]:
     """``report.md`` (a table) and ``accuracy-bytes.png`` (when matplotlib is importable): test accuracy
-    against the cumulative bytes sent while training, one curve per entry (a point when it has no curve).
+    against the cumulative bytes sent while training (left) and against the halo bytes alone (right),
+    one curve per entry, or a star for an entry without a curve (the soup).
 
     Entries: ``name``, ``test_acc``, ``bytes``, and optionally ``halo_bytes``, ``allreduce_bytes``,
-    ``step_seconds`` and ``eval_seconds`` (per epoch), ``epochs``, ``curve`` (list of ``(bytes, test
-    accuracy)``) and ``note``.
+    ``step_seconds`` and ``eval_seconds`` (per epoch), ``epochs``, ``curve`` and ``halo_curve`` (lists of
+    ``(cumulative bytes, best-validation test accuracy so far)``) and ``note``.
     """
     def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
         return format(entry[key], fmt) if entry.get(key) is not None else "-"
@@ -708,19 +711,25 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
     except ImportError:
         log.info("matplotlib not installed: no plot (pip install 'ladle[plots]')")
         return written
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for entry in entries:
-        curve = [(b, acc) for b, acc in entry.get("curve", []) if b > 0]
-        if curve:
-            line, = axis.plot([b for b, _ in curve], [acc for _, acc in curve], label=entry["name"], lw=1.2)
-            axis.plot([entry["bytes"]], [entry["test_acc"]], "o", color=line.get_color())
-        else:
-            axis.plot([max(1, entry["bytes"])], [entry["test_acc"]], "*", ms=12, label=entry["name"])
-    axis.set_xscale("log")
-    axis.set_xlabel("cumulative bytes sent while training")
-    axis.set_ylabel("test accuracy (best validation so far)")
-    axis.set_title(title)
-    axis.legend(fontsize=8)
+    figure, (total_axis, halo_axis) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colours = plt.get_cmap("tab20" if len(entries) > 10 else "tab10")
+    for i, entry in enumerate(entries):
+        colour = colours(i % colours.N)
+        for axis, key, final in ((total_axis, "curve", entry["bytes"]),
+                                 (halo_axis, "halo_curve", entry.get("halo_bytes", 0))):
+            curve = [(b, acc) for b, acc in entry.get(key, []) if b > 0]
+            if curve:
+                axis.plot([b for b, _ in curve], [acc for _, acc in curve], color=colour, lw=1.2, label=entry["name"])
+                axis.plot([final], [entry["test_acc"]], "o", color=colour)
+            elif axis is total_axis:  # a run that sent nothing on this axis cannot sit on a log scale
+                axis.plot([max(1, final)], [entry["test_acc"]], "*", ms=12, color=colour, label=entry["name"])
+    total_axis.set_xlabel("cumulative bytes sent while training (halo + all-reduce)")
+    halo_axis.set_xlabel("cumulative halo bytes (forward + backward)")
+    total_axis.set_ylabel("test accuracy (best validation so far)")
+    for axis in (total_axis, halo_axis):
+        axis.set_xscale("log")
+    total_axis.legend(fontsize=7)
+    figure.suptitle(title)
     figure.tight_layout()
     with atomic_open(out_dir / "accuracy-bytes.png") as stream:
         figure.savefig(stream, format="png", dpi=110)
@@ -731,12 +740,17 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
 # ---------------------------------------------------------------- process group and launch
 
 
-def init_group(device: str, timeout: float, init_method: str = "env://", rank: int | None = None,
+def init_group(device: torch.device, timeout: float, init_method: str = "env://", rank: int | None = None,
                world: int | None = None) -> None:
-    """Join the process group: gloo on CPU, NCCL on GPU, with ``timeout`` seconds before a stall is an error."""
-    backend = "nccl" if device == "cuda" else "gloo"
+    """Join the process group: gloo on CPU, NCCL on GPU, with ``timeout`` seconds before a stall is an error.
+
+    ``rank``/``world`` None: read from the environment (torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``).
+    """
     kwargs: dict[str, Any] = {} if rank is None else {"rank": rank, "world_size": world}
-    dist.init_process_group(backend, init_method=init_method, timeout=dt.timedelta(seconds=timeout), **kwargs)
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                            timeout=dt.timedelta(seconds=timeout), **kwargs)
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
@@ -767,23 +781,24 @@ def load_shard(recipe: Recipe, partition: str, device: torch.device, data_root: 
     return Shard.build(data, parts.cpu(), rank, world, recipe.model, device)
 
 
-def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data_root: str | None,
-             local_rank: int) -> dict[str, Any] | None:
-    """Everything one rank does in an initialised group: load its shard, then train."""
+def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data_root: str | None, local_rank: int,
+             init_method: str = "env://", rank: int | None = None, world: int | None = None) -> dict[str, Any] | None:
+    """Everything one rank does: join the group, load its shard, train, leave the group."""
     torch.set_num_threads(options.threads)
-    shard = load_shard(recipe, options.partition, rank_device(options.device, local_rank), data_root, local_rank)
-    return train_partition(recipe, shard, options, run_dir)
+    device = rank_device(options.device, local_rank)
+    init_group(device, options.timeout, init_method, rank, world)
+    try:
+        shard = load_shard(recipe, options.partition, device, data_root, local_rank)
+        return train_partition(recipe, shard, options, run_dir)
+    finally:
+        dist.destroy_process_group()
 
 
 def _spawned_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any], options: VarrateOptions,
                   run_dir: Path, data_root: str | None) -> None:
     """Entry point of a rank started by :func:`run_local` (a fresh, spawned process)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    init_group(options.device, options.timeout, f"tcp://127.0.0.1:{port}", rank, world)
-    try:
-        run_rank(recipe_from_dict(recipe_dict), options, run_dir, data_root, local_rank=rank)
-    finally:
-        dist.destroy_process_group()
+    run_rank(recipe_from_dict(recipe_dict), options, run_dir, data_root, rank, f"tcp://127.0.0.1:{port}", rank, world)
 
 
 def free_port() -> int:
@@ -843,6 +858,9 @@ def _resolve(options: VarrateOptions, world: int) -> VarrateOptions:
     """Options with the world size and the device resolved, and threads split between local ranks."""
     device = resolve_device(options.device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device == "cuda" and local_world > torch.cuda.device_count():
+        raise LadleError(f"--device cuda needs one GPU per rank (NCCL cannot share one): {local_world} ranks on "
+                         f"this machine, {torch.cuda.device_count()} GPUs visible; use fewer --workers or --device cpu")
     threads = options.threads or max(1, available_cores() // max(1, local_world))
     return VarrateOptions(world, options.partition, options.schedule, options.compressor, device, options.timeout,
                           threads)
@@ -863,11 +881,7 @@ def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
     run_path = (Path(run_dir) if run_dir is not None else new_run_dir(options.schedule.kind)) if rank == 0 else None
     if run_path is not None:
         run_path.mkdir(parents=True, exist_ok=True)
-    init_group(options.device, options.timeout)
-    try:
-        return run_rank(recipe, options, run_path, data_root, int(os.environ.get("LOCAL_RANK", rank)))
-    finally:
-        dist.destroy_process_group()
+    return run_rank(recipe, options, run_path, data_root, int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -915,7 +929,7 @@ def _parse_steps(text: str | None) -> tuple[float, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.varrate``."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after flags
     recipe = load_recipe(args.recipe, list(args.overrides))
     if args.timeout <= 0 or args.threads < 0:
         raise LadleError("--timeout must be > 0 and --threads >= 0")
