@@ -20,7 +20,7 @@ from ladle.sparse import SparseMatrix
 Features = Tensor | SparseMatrix
 
 
-def _project(x: Features, linear: nn.Module) -> Tensor:
+def project_features(x: Features, linear: nn.Module) -> Tensor:
     """``x W^T`` for dense or sparse ``x`` (PyG ``Linear`` weights; the bias is added by the caller)."""
     if isinstance(x, SparseMatrix):
         return x.matmul(linear.weight.t())
@@ -34,7 +34,7 @@ class GCNLayer(GCNConv):
         super().__init__(in_channels, out_channels, normalize=False, add_self_loops=False)
 
     def forward(self, x: Features, adj: SparseMatrix) -> Tensor:  # type: ignore[override]
-        out = adj.matmul(_project(x, self.lin))
+        out = adj.matmul(project_features(x, self.lin))
         return out + self.bias if self.bias is not None else out
 
 
@@ -45,8 +45,8 @@ class SAGELayer(SAGEConv):
         super().__init__(in_channels, out_channels, aggr="mean")
 
     def forward(self, x: Features, adj: SparseMatrix) -> Tensor:  # type: ignore[override]
-        out = adj.matmul(_project(x, self.lin_l)) + self.lin_l.bias
-        return out + _project(x, self.lin_r)
+        out = adj.matmul(project_features(x, self.lin_l)) + self.lin_l.bias
+        return out + project_features(x, self.lin_r)
 
 
 @dataclass

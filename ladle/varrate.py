@@ -45,7 +45,7 @@ from ladle.config import Recipe, load_recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.launch import available_cores, resolve_device
-from ladle.models import GNN, Features, GCNLayer, SAGELayer, _project, adjacency, build_model, use_sparse_features
+from ladle.models import GNN, Features, GCNLayer, SAGELayer, project_features, adjacency, build_model, use_sparse_features
 from ladle.sparse import SparseMatrix
 from ladle.views import PARTITION_KINDS, ViewConfig, build_view
 
@@ -437,11 +437,11 @@ def partition_forward(model: GNN, x: Features, plan: HaloPlan, exchange: HaloExc
     last = len(model.convs) - 1
     for i, conv in enumerate(model.convs):
         if isinstance(conv, GCNLayer):
-            out = adj.matmul(_with_halo(_project(h, conv.lin), exchange, i))
+            out = adj.matmul(_with_halo(project_features(h, conv.lin), exchange, i))
             out = out + conv.bias if conv.bias is not None else out
         elif isinstance(conv, SAGELayer):
-            out = adj.matmul(_with_halo(_project(h, conv.lin_l), exchange, i)) + conv.lin_l.bias
-            out = out + _project(h, conv.lin_r)
+            out = adj.matmul(_with_halo(project_features(h, conv.lin_l), exchange, i)) + conv.lin_l.bias
+            out = out + project_features(h, conv.lin_r)
         else:
             raise LadleError(f"varrate supports gcn/sage; got a {type(conv).__name__} layer")
         h = out
