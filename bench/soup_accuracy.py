@@ -32,6 +32,11 @@ EXPERIMENTS: dict[str, list[tuple[str, str, list[str], str]]] = {
         ("Cora SAGE", "cora-sage", ["view.kind=full"], "shared"),
         ("Cora GAT", "cora-gat", [], "shared"),
     ],
+    "sampled": [
+        ("Cora GCN saint-edge", "cora-gcn", ["view.kind=saint-edge"], "shared"),
+        ("CiteSeer GCN saint-edge", "citeseer-gcn", ["view.kind=saint-edge"], "shared"),
+        ("Physics GCN saint-edge", "physics-gcn", ["view.kind=saint-edge"], "shared"),
+    ],
     "views": [
         (f"Cora GCN {kind}", "cora-gcn", [f"view.kind={kind}"], "shared")
         for kind in ("cluster", "saint-node", "saint-edge", "saint-rw", "neighbor", "metis", "random")
@@ -46,7 +51,7 @@ METRICS = ("acc", "loss", "acc+loss")
 
 
 def run_one(recipe_name: str, overrides: list[str], init: str, seed: int, ingredients: int, workers: int,
-            root: Path, data_root: str | None, bn_variants: bool) -> dict[str, Any]:
+            root: Path, data_root: str | None, bn_variants: bool, metrics: tuple[str, ...] = METRICS) -> dict[str, Any]:
     """Train one seed's ingredients + baseline and soup them every way; return the figures."""
     recipe = load_recipe(recipe_name, [*overrides, f"seed={seed}"])
     start = time.perf_counter()
@@ -54,7 +59,7 @@ def run_one(recipe_name: str, overrides: list[str], init: str, seed: int, ingred
                             init=init, baseline=True, data_root=data_root)
     train_seconds = time.perf_counter() - start
     result: dict[str, Any] = {"seed": seed, "train_wall_seconds": train_seconds}
-    for metric in METRICS:
+    for metric in metrics:
         for search in ("grid", "fast") if metric == "acc+loss" else ("grid",):
             began = time.perf_counter()
             report = soup_run(run.run_dir, metric=metric, search=search, data_root=data_root,
@@ -89,7 +94,7 @@ def table(label: str, rows: list[dict[str, Any]]) -> str:
     """One Markdown line: baseline, ingredients, soups (acc+loss, grid), ensemble."""
     columns = ["baseline", "mean ingredient", "best ingredient", "uniform/acc+loss/grid", "greedy/acc+loss/grid",
                "gis/acc/grid", "gis/loss/grid", "gis/acc+loss/grid", "gis/acc+loss/fast", "ensemble"]
-    cells = [mean_std([r[c] for r in rows]) for c in columns]
+    cells = [mean_std([r[c] for r in rows]) if c in rows[0] else "–" for c in columns]
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
@@ -104,6 +109,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--ingredients", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="soup with the default metric only (acc+loss)")
     parser.add_argument("--data-root")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -115,7 +121,8 @@ def main() -> None:
                 continue
             with tempfile.TemporaryDirectory() as scratch:
                 rows = [run_one(recipe_name, overrides, init, seed, args.ingredients, args.workers, Path(scratch),
-                                args.data_root, experiment == "bn") for seed in range(args.seeds)]
+                                args.data_root, experiment == "bn", ("acc+loss",) if args.quick else METRICS)
+                        for seed in range(args.seeds)]
             record = {"label": label, "recipe": recipe_name, "overrides": overrides, "init": init,
                       "ingredients": args.ingredients, "rows": rows}
             name = label.lower().replace(" ", "-").replace(",", "")

@@ -38,15 +38,15 @@ log = logging.getLogger(__name__)
 class _Trainer:
     """One of the K trainers: its view, model, optimiser and RNG stream (as ``train_ingredient`` sets them)."""
 
-    def __init__(self, recipe: Recipe, data: Data, k: int, ingredients: int, init: StateDict,
+    def __init__(self, recipe: Recipe, data: Data, view: IngredientView, init: StateDict,
                  full_inputs: GraphInputs) -> None:
-        self.view: IngredientView = build_view(data, recipe.view, k, ingredients, recipe.seed)
+        self.view = view
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.model.load_state_dict(init)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
         self.recipe, self.full_inputs = recipe, full_inputs
         self.static_inputs: GraphInputs | None = None
-        torch.manual_seed(ingredient_seed(recipe.seed, k))
+        torch.manual_seed(ingredient_seed(recipe.seed, view.k))
         self.rng = torch.get_rng_state()
 
     def _inputs(self, batch: Data) -> GraphInputs:
@@ -107,7 +107,11 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
         torch.manual_seed(recipe.seed)
         init = build_model(recipe, data.num_features, data.num_classes).state_dict()
-        trainers = [_Trainer(recipe, data, k, ingredients, init, full_inputs) for k in range(ingredients)]
+        first = build_view(data, recipe.view, 0, ingredients, recipe.seed)
+        partition = getattr(first, "parts", None)  # partition views share one partition, computed once
+        views = [first] + [build_view(data, recipe.view, k, ingredients, recipe.seed, partition)
+                           for k in range(1, ingredients)]
+        trainers = [_Trainer(recipe, data, view, init, full_inputs) for view in views]
         meta = _lockstep(recipe, data, trainers, average_every, full_inputs)
     model = trainers[0].model
     model.load_state_dict(meta.pop("best_state"))

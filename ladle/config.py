@@ -20,7 +20,7 @@ from ladle.views import ViewConfig
 MODEL_KINDS = ("gcn", "sage", "gat")
 NORM_KINDS = ("none", "batch", "layer")
 FEATURE_MODES = ("auto", "raw", "normalize")
-SOUP_METHODS = ("uniform", "greedy", "gis", "all")
+SOUP_METHODS = ("uniform", "greedy", "gis", "learned", "learned-partition", "all")
 SOUP_SEARCHES = ("grid", "fast")
 SOUP_METRICS = ("acc", "loss", "acc+loss")
 

@@ -13,8 +13,9 @@ the soup. Only validation labels are ever read; test labels never are.
 (:class:`~ladle.soup.Evaluator`'s ``val``), exact full-graph outputs. ``learned-partition``: the graph
 is split into ``parts`` METIS parts; each step is one forward/backward on the induced subgraph of
 ``parts_per_step`` random parts (ClusterGCN normalisation, cut edges dropped), an epoch visits every
-part once, and the held-out score is a no-grad pass over fixed groups of parts. No step ever needs more
-than ``parts_per_step / parts`` of the graph, so the soup can be learned where one graph does not fit.
+part once, and the held-out score is a no-grad pass over fixed groups of parts. Every forward then
+touches about ``parts_per_step / parts`` of the graph, so the soup can be learned where the validation
+neighbourhood does not fit one worker's memory.
 Mixed batch-norm statistics are used as they are while learning (models run in eval mode, so the loss
 is deterministic); :func:`ladle.soup.soup_run` recomputes them for the final soup.
 """
@@ -36,8 +37,8 @@ from tqdm import tqdm
 from ladle.checkpoints import StateDict
 from ladle.errors import LadleError
 from ladle.models import GNN, GraphInputs, adjacency
-from ladle.sparse import SparseMatrix
 from ladle.soup import Evaluator, Metrics, SoupResult, metrics
+from ladle.sparse import SparseMatrix
 from ladle.views import ClusterView, ViewConfig, build_view
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class _Neighbourhood:
         self.forwards = 0
 
     def run_epoch(self, logits: Tensor, optimizer: torch.optim.Optimizer) -> Metrics:
+        """One Adam step on the fit half; returns the held-out score of the weights before the step."""
         out = _mixed_logits(self.model, self.mixture, logits.softmax(-1), self.inputs)
         self.forwards += 1
         held = metrics(out[self.held_where].detach(), self.held_y)
@@ -125,6 +127,7 @@ class _Neighbourhood:
 
     @torch.no_grad()
     def score(self, weights: Tensor) -> Metrics:
+        """Held-out accuracy and loss of ``weights``."""
         self.forwards += 1
         out = _mixed_logits(self.model, self.mixture, weights, self.inputs)
         return metrics(out[self.held_where], self.held_y)
@@ -158,6 +161,7 @@ class _Partitions:
         self.forwards = 0
 
     def _nodes(self, group: Tensor) -> Tensor:
+        """The sorted nodes of the parts in ``group``."""
         return torch.cat([self.members[i] for i in group.tolist()]).sort().values
 
     def _inputs(self, nodes: Tensor) -> GraphInputs:
@@ -172,6 +176,7 @@ class _Partitions:
         return GraphInputs(x, adjacency(edge_index, nodes.numel(), self.kind), nodes.numel())
 
     def run_epoch(self, logits: Tensor, optimizer: torch.optim.Optimizer) -> Metrics:
+        """Score the current weights, then one Adam step per random group of parts (each part once)."""
         held = self.score(logits.detach().softmax(-1))
         order = torch.randperm(len(self.members), generator=self.generator)
         for group in order.split(self.parts_per_step):
@@ -188,6 +193,7 @@ class _Partitions:
 
     @torch.no_grad()
     def score(self, weights: Tensor) -> Metrics:
+        """Held-out accuracy and loss of ``weights``, summed over the fixed groups of parts."""
         correct, loss, count = 0.0, 0.0, 0
         for nodes in self.score_groups:
             targets = self.held[nodes]

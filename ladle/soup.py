@@ -22,7 +22,7 @@ from torch_geometric.utils import k_hop_subgraph
 
 from ladle.checkpoints import (StateDict, ingredient_name, load_state, read_json, resolve_run_dir, save_state,
                                write_json)
-from ladle.config import SOUP_METRICS, Recipe, recipe_from_dict
+from ladle.config import SOUP_METHODS, SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.models import GNN, GraphInputs, adjacency, build_model, graph_inputs, use_sparse_features
@@ -335,7 +335,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
     setup_seconds = time.perf_counter() - start
 
-    methods = ["uniform", "greedy", "gis"] if method == "all" else [method]
+    methods = ["uniform", "greedy", "gis", "learned"] if method == "all" else [method]
     soups: list[SoupResult] = []
     for name in methods:
         began = time.perf_counter()
@@ -343,8 +343,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
             result = SoupResult("uniform", uniform_soup(bundle.states), 0, list(range(len(bundle.states))))
         elif name == "greedy":
             result = greedy_soup(bundle.states, order, score, metric)
-        else:
+        elif name == "gis":
             result = greedy_interpolation_soup(bundle.states, order, score, metric, grid, fast)
+        else:
+            from ladle.learned import learned_soup
+
+            result = learned_soup(bundle.states, evaluator, partition=name == "learned-partition", seed=recipe.seed)
         result.seconds = time.perf_counter() - began
         soups.append(result)
 
@@ -353,6 +357,11 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     with torch.no_grad():
         logits = torch.stack([evaluator.logits(s, full, recompute) for s in bundle.states]).mean(0)
     references.append({"name": "ensemble", "kind": "reference", **_split_metrics(logits, data)})
+    averaged_path = path / "averaged.safetensors"
+    if averaged_path.exists():
+        averaged = load_state(averaged_path)
+        references.append({"name": "averaged", "kind": "reference",
+                           **_split_metrics(evaluator.logits(averaged, full, recompute), data)})
     baseline_path = path / "baseline.safetensors"
     if baseline_path.exists():
         baseline = load_state(baseline_path)
@@ -370,6 +379,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                "val_loss": val.loss, "test_acc": test.acc, "evaluations": result.evaluations,
                "kept": [bundle.names[i] for i in result.kept], "alphas": result.alphas, "curves": result.curves,
                "seconds": result.seconds, "search": "fast" if fast else "grid", "grid": grid, "metric": metric}
+        if hasattr(result, "mixing"):
+            row |= {"layers": result.layers, "mixing": result.mixing, "best_epoch": result.best_epoch}
         soup_rows.append(row)
         if write:
             save_state(path / f"soup-{result.method}.safetensors", result.state)
@@ -403,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m ladle.soup`` command line."""
     parser = argparse.ArgumentParser(prog="python -m ladle.soup", description="Soup the ingredients of a run.")
     parser.add_argument("--run-dir", help="run directory (default checkpoints/latest)")
-    parser.add_argument("--method", choices=("gis", "greedy", "uniform", "all"), help="soup method (default all)")
+    parser.add_argument("--method", choices=SOUP_METHODS,
+                        help="soup method (default all: uniform, greedy, gis, learned)")
     parser.add_argument("--grid", type=int, help="alpha grid points for gis (default 21)")
     parser.add_argument("--search", choices=("grid", "fast"), help="alpha search for gis (default grid)")
     parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc+loss)")

@@ -95,7 +95,7 @@ def test_real_soups_keep_validation_and_beat_the_mean_ingredient(cora_run: Path,
     report = soup_run(cora_run, data_root=data_root)
     best_val = max(row["val_acc"] for row in report["ingredients"])
     soups = {row["method"]: row for row in report["soups"]}
-    assert set(soups) == {"uniform", "greedy", "gis"}
+    assert set(soups) == {"uniform", "greedy", "gis", "learned"}
     for method in ("greedy", "gis"):
         assert soups[method]["val_acc"] >= best_val
     assert max(row["val_acc"] for row in soups.values()) > report["mean_ingredient"]["val_acc"]
