@@ -34,6 +34,9 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/soup_accuracy.py
 	$(BIN)/python bench/varrate.py
+	$(BIN)/python bench/beyond.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/scale.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

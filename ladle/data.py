@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
@@ -274,7 +275,9 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
     """A contextual stochastic block model: learnable from features (class means + noise) and structure.
 
     Each node draws ``degree / 2`` partners, of its own class with probability ``homophily``; the
-    graph is then made undirected. Generated in chunks of ``chunk`` nodes to bound peak memory.
+    graph is then made undirected (edges sorted by source, then target). Generated in chunks of
+    ``chunk`` nodes, and the pairs are deduplicated as int64 keys sorted in place, so the peak stays near
+    the output's size (1M nodes, 10M edges, 64 features: 0.4 GB out, 0.7 GB peak above the interpreter).
     """
     generator = torch.Generator().manual_seed(seed)
     y = torch.randint(classes, (nodes,), generator=generator)
@@ -284,7 +287,7 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
     class_start[1:] = torch.bincount(y, minlength=classes).cumsum(0)
     half = max(1, degree // 2)
     x = torch.empty(nodes, features)
-    sources, targets = [], []
+    pairs: list[np.ndarray] = []  # undirected pairs (low, high) as keys low * nodes + high
     for start in range(0, nodes, chunk):
         ids = torch.arange(start, min(start + chunk, nodes))
         x[ids] = means[y[ids]] + torch.randn(ids.numel(), features, generator=generator)
@@ -297,10 +300,29 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
         anywhere = torch.randint(nodes, (src.numel(),), generator=generator)
         dst = torch.where(same, intra, anywhere)
         keep = src != dst
-        sources.append(src[keep])
-        targets.append(dst[keep])
-    edge_index = to_undirected(torch.stack([torch.cat(sources), torch.cat(targets)]), num_nodes=nodes)
+        src, dst = src[keep], dst[keep]
+        pairs.append((torch.minimum(src, dst) * nodes + torch.maximum(src, dst)).numpy())
+    edge_index = torch.from_numpy(_undirected_edges(np.concatenate(pairs), nodes))
     train, val, test = random_split(torch.ones(nodes, dtype=torch.bool), 0.1, 0.1, seed=seed)
     data = Data(x=x, y=y, edge_index=edge_index, train_mask=train, val_mask=val, test_mask=test)
     data.name = "synthetic"
     return data
+
+
+def _undirected_edges(pairs: np.ndarray, nodes: int) -> np.ndarray:
+    """Both directions of the distinct undirected ``pairs`` (keys ``low * nodes + high``), sorted by
+    (source, target), as a ``[2, E]`` int64 array: what ``to_undirected`` gives, without its copies."""
+    pairs.sort()
+    distinct = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))] if pairs.size else pairs
+    del pairs
+    keys = np.empty(2 * distinct.size, dtype=np.int64)
+    keys[:distinct.size] = distinct
+    np.remainder(distinct, nodes, out=keys[distinct.size:])
+    keys[distinct.size:] *= nodes
+    keys[distinct.size:] += distinct // nodes
+    del distinct
+    keys.sort()
+    edge_index = np.empty((2, keys.size), dtype=np.int64)
+    np.floor_divide(keys, nodes, out=edge_index[0])
+    np.remainder(keys, nodes, out=edge_index[1])
+    return edge_index

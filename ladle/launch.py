@@ -1,8 +1,10 @@
 """Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
 
-The launcher prepares the run directory and the shared initial weights, then hands out ingredient
-tasks. Workers load the dataset once, use ``cores / workers`` threads each, and never talk to one
-another: no process group, no messages; each writes its own checkpoint and returns its metadata.
+The launcher prepares the run's shards (once, cached: :mod:`ladle.shards`), the run directory and the
+shared initial weights, then hands out ingredient tasks. A worker memory-maps only what its task
+sees: the part shard of a ``metis``/``random`` ingredient, else the whole-graph shard (kept for the
+next task). Workers use ``cores / workers`` threads each and never talk to one another: no process
+group, no messages; each writes its own checkpoint and returns its metadata.
 """
 from __future__ import annotations
 
@@ -16,16 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch_geometric.data import Data
 
 from ladle.checkpoints import read_json, resolve_run_dir, save_state, update_latest, write_json
 from ladle.config import Recipe, recipe_from_dict
-from ladle.data import load_dataset
 from ladle.errors import LadleError
-from ladle.models import GraphInputs, build_model, graph_inputs
+from ladle.models import GraphInputs, build_model
+from ladle.shards import ShardSet, load_shard, prepare_shards
 from ladle.train import IngredientTask, train_ingredient
-from ladle.views import build_view
 
 log = logging.getLogger(__name__)
 
@@ -61,26 +61,44 @@ class RunResult:
 
 
 class _Worker:
-    """Per-process state of a pool worker: the dataset and full-graph inputs, loaded once."""
+    """Per-process state of a pool worker: the run's shards, and the whole-graph shard once a task needs it."""
 
-    def __init__(self, recipe: Recipe, data_root: str | None, threads: int, slot: int, device: str) -> None:
+    def __init__(self, recipe: Recipe, shards: str, threads: int, slot: int, device: str) -> None:
         torch.set_num_threads(threads)
+        if device == "cuda" and torch.cuda.device_count() > 1:
+            device = f"cuda:{slot % torch.cuda.device_count()}"  # local workers take GPUs round-robin
         self.recipe, self.slot, self.device = recipe, slot, device
-        self.data: Data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
-        self.full_inputs: GraphInputs = graph_inputs(self.data, recipe.model)
+        self.shards = ShardSet.open(Path(shards))
+        self._graph: tuple[Data, GraphInputs] | None = None
+
+    def graph(self) -> tuple[Data, GraphInputs]:
+        """The whole graph (memory-mapped) and its inputs, loaded on first use and kept."""
+        if self._graph is None:
+            shard = load_shard(self.shards.graph())
+            self._graph = shard.data, shard.inputs(self.recipe.model)
+        return self._graph
+
+    def run(self, task: IngredientTask) -> dict[str, Any]:
+        """Train ``task`` on its part shard alone (partition views) or on the whole graph."""
+        if task.k is not None and self.shards.partitioned:
+            shard = load_shard(self.shards.part(task.k))
+            return train_ingredient(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
+                                    self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
+        data, full_inputs = self.graph()
+        return train_ingredient(self.recipe, data, task, full_inputs, self.slot, self.device)
 
 
 _worker: _Worker | None = None  # one per worker process, set by the pool initialiser
 
 
-def _init_worker(recipe_dict: dict[str, Any], data_root: str | None, threads: int, slots: Any, device: str) -> None:
+def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
     global _worker
-    _worker = _Worker(recipe_from_dict(recipe_dict), data_root, threads, slots.get(), device)
+    _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
 
 
 def _run_task(task: IngredientTask) -> dict[str, Any]:
     assert _worker is not None, "worker not initialised"
-    return train_ingredient(_worker.recipe, _worker.data, task, _worker.full_inputs, _worker.slot, _worker.device)
+    return _worker.run(task)
 
 
 def _new_run_dir(recipe: Recipe, checkpoints_root: Path) -> Path:
@@ -122,10 +140,10 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
     data_root = None if data_root is None else str(data_root)
 
-    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)  # stages + validates once
-    partition = prepare_partition(data, recipe, ingredients)  # bad view settings fail here, not in K workers
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else _new_run_dir(recipe, checkpoints_root)
+    _check_creatable(run_path)  # before the (maybe long) preparation
+    shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
     try:
         run_path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -133,26 +151,41 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if not os.access(run_path, os.W_OK):
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
+    graph = shards.meta["graph"]
     torch.manual_seed(recipe.seed)
-    save_state(run_path / "init.safetensors", build_model(recipe, data.num_features, data.num_classes).state_dict())
+    save_state(run_path / "init.safetensors",
+               build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
+    partition = shards.partition()
     if partition is not None:
         save_state(run_path / "partition.safetensors", {"parts": partition})
+    shards.link(run_path)
     run_meta = {
         "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
         "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
         "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "dataset": {"name": recipe.dataset, "nodes": data.num_nodes, "edges": data.num_edges,
-                    "features": data.num_features, "classes": data.num_classes},
-        "status": "running",
+        "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
+                    "features": graph["num_features"], "classes": graph["num_classes"]},
+        "shards": shards.meta["key"], "status": "running",
     }
     write_json(run_path / "run.json", run_meta)
     if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
         update_latest(checkpoints_root, run_path)
-    del data
     tasks = [IngredientTask(k, ingredients, run_path, init, save_every) for k in range(ingredients)]
     if baseline:
         tasks.append(IngredientTask(None, ingredients, run_path, "shared", save_every))
     return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
+
+
+def _check_creatable(run_path: Path) -> None:
+    """Refuse a run directory that cannot be created or written, without creating anything yet."""
+    existing = run_path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LadleError(f"cannot create run directory {run_path}: {existing} is not a directory "
+                         "(choose another --run-dir)")
+    if not os.access(existing, os.W_OK):
+        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
@@ -172,6 +205,8 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
     log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
     workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
     data_root = None if data_root is None else str(data_root)
+    if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
+        prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
     return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
                     ray_options)
 
@@ -195,23 +230,13 @@ def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
     return workers
 
 
-def prepare_partition(data: Data, recipe: Recipe, ingredients: int) -> Tensor | None:
-    """The run's node partition, computed once here so every worker reads the same one.
-
-    (METIS draws from the process-wide ``rand()``, so computing it in each worker is not reproducible
-    when other threads also draw.) Also validates the view settings before any worker starts.
-    """
-    view = build_view(data, recipe.view, 0, ingredients, recipe.seed)
-    return getattr(view, "parts", None)
-
-
 def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
     if not tasks:
         results, failed = {}, {}
     elif backend == "local":
-        results, failed = run_local(tasks, recipe, data_root, workers, device, threads)
+        results, failed = run_local(tasks, recipe, run_path / "shards", workers, device, threads)
     else:
         from ladle.ray_backend import run_ray
 
@@ -233,10 +258,11 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
     return RunResult(run_path, ordered, metas.get("baseline"), sorted(failed))
 
 
-def run_local(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, workers: int,
+def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,
               device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each; return
-    (metadata by name, error by name of those that failed). A failing ingredient does not stop the others."""
+    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each, reading the run's
+    ``shards``; return (metadata by name, error by name of those that failed). A failing ingredient
+    does not stop the others."""
     threads = threads or max(1, available_cores() // workers)
     context = mp.get_context("spawn")
     slots = context.Queue()
@@ -245,7 +271,7 @@ def run_local(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                     initargs=(recipe.to_dict(), data_root, threads, slots, device)) as pool:
+                                     initargs=(recipe.to_dict(), str(shards), threads, slots, device)) as pool:
         pending = {pool.submit(_run_task, task): task for task in tasks}
         for future in futures.as_completed(pending):
             task = pending[future]

@@ -95,7 +95,7 @@ def use_sparse_features(x: Tensor, model: str) -> bool:
     if model == "gat" or x.dim() != 2 or x.size(1) < 256 or x.numel() < 1 << 21:
         return False
     sample = x[: min(x.size(0), 4096)]
-    return bool((sample != 0).float().mean() < 0.05)
+    return bool(torch.count_nonzero(sample) < 0.05 * sample.numel())
 
 
 def graph_inputs(graph: Data, model: str, sparse_features: bool | None = None) -> GraphInputs:

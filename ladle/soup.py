@@ -25,7 +25,8 @@ from ladle.checkpoints import (StateDict, ingredient_name, load_state, read_json
 from ladle.config import SOUP_METHODS, SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
-from ladle.models import GNN, GraphInputs, adjacency, build_model, graph_inputs, use_sparse_features
+from ladle.inference import LayerwiseInference
+from ladle.models import GNN, GraphInputs, adjacency, build_model, use_sparse_features
 from ladle.sparse import SparseMatrix, select
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ class Evaluator:
     """Scores weights of one architecture on a graph's splits, cheaply.
 
     Validation needs only the L-hop neighbourhood of the validation nodes: that sub-graph (with the
-    full graph's normalisation) is built once and every candidate is scored on it, exactly.
+    full graph's normalisation) is built once and every candidate is scored on it, exactly. Whole
+    splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at scale.
     """
 
     def __init__(self, recipe: Recipe, data: Data) -> None:
@@ -176,7 +178,7 @@ class Evaluator:
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.sparse_features = use_sparse_features(data.x, recipe.model)
         self.full_adj = adjacency(data.edge_index, data.num_nodes, recipe.model)
-        self._full: GraphInputs | None = None
+        self.inference = LayerwiseInference.from_data(data)
         self.val = self._neighbourhood(data.val_mask)
         self.train_hood = self._neighbourhood(data.train_mask) if self.model.has_batch_norm() else None
 
@@ -190,11 +192,10 @@ class Evaluator:
         adj = edge_index if isinstance(self.full_adj, Tensor) else select(self.full_adj, nodes)
         return GraphInputs(features, adj, nodes.numel()), self.data.y[seeds], mapping
 
-    def full(self) -> GraphInputs:
-        """Inputs of the whole graph (built on first use)."""
-        if self._full is None:
-            self._full = graph_inputs(self.data, self.recipe.model, self.sparse_features)
-        return self._full
+    @torch.no_grad()
+    def full_logits(self, state: StateDict, recompute_bn: bool = True) -> Tensor:
+        """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
+        return self.inference.logits(self.load(state, recompute_bn))
 
     def load(self, state: StateDict, recompute_bn: bool = True) -> GNN:
         """The model holding ``state``; batch-norm statistics recomputed on the training neighbourhood."""
@@ -217,7 +218,7 @@ class Evaluator:
     def split(self, state: StateDict, mask_name: str, recompute_bn: bool = True) -> Metrics:
         """Accuracy and loss of ``state`` on a whole split of the full graph."""
         mask = self.data[mask_name]
-        return metrics(self.logits(state, self.full(), recompute_bn)[mask], self.data.y[mask])
+        return metrics(self.full_logits(state, recompute_bn)[mask], self.data.y[mask])
 
 
 def metrics(logits: Tensor, y: Tensor) -> Metrics:
@@ -353,20 +354,18 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         soups.append(result)
 
     references = []
-    full = evaluator.full()
-    with torch.no_grad():
-        logits = torch.stack([evaluator.logits(s, full, recompute) for s in bundle.states]).mean(0)
+    logits = torch.stack([evaluator.full_logits(s, recompute) for s in bundle.states]).mean(0)
     references.append({"name": "ensemble", "kind": "reference", **_split_metrics(logits, data)})
     averaged_path = path / "averaged.safetensors"
     if averaged_path.exists():
         averaged = load_state(averaged_path)
         references.append({"name": "averaged", "kind": "reference",
-                           **_split_metrics(evaluator.logits(averaged, full, recompute), data)})
+                           **_split_metrics(evaluator.full_logits(averaged, recompute), data)})
     baseline_path = path / "baseline.safetensors"
     if baseline_path.exists():
         baseline = load_state(baseline_path)
         references.append({"name": "baseline", "kind": "reference",
-                           **_split_metrics(evaluator.logits(baseline, full, recompute), data)})
+                           **_split_metrics(evaluator.full_logits(baseline, recompute), data)})
 
     soup_rows = []
     for result in soups:

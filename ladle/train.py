@@ -29,7 +29,7 @@ from ladle.checkpoints import (StateDict, ingredient_name, load_state, load_stat
 from ladle.config import Recipe, load_recipe
 from ladle.errors import LadleError, run_cli
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
-from ladle.views import build_view
+from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,13 @@ def batch_loss(logits: Tensor, batch: Data) -> Tensor:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB."""
+    """This process's own peak resident memory, in MiB (``VmHWM``: ``ru_maxrss`` inherits the parent's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -131,20 +137,26 @@ def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
 
 
 def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
-                     progress_position: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
+                     progress_position: int = 0, device: torch.device | str = "cpu",
+                     part_view: IngredientView | None = None) -> dict[str, Any]:
     """Train one ingredient to its best-validation weights; write them and their metadata; return it.
 
     Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
     this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
+    ``part_view``: the view of a part shard (:mod:`ladle.shards`), ``data`` being that part alone;
+    the val/test metrics in the JSON are then the part's own (``"metrics_on": "part"``).
     """
     start = time.perf_counter()
     k = -1 if task.k is None else task.k
     seed = ingredient_seed(recipe.seed, k)
     view_config = recipe.view if task.k is not None else type(recipe.view)(kind="full")
-    partition_path = task.run_dir / "partition.safetensors"
-    partition = load_state(partition_path)["parts"] if task.k is not None and partition_path.exists() else None
-    view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1, recipe.seed,
-                      partition)
+    if part_view is not None:
+        view = part_view
+    else:
+        partition_path = task.run_dir / "partition.safetensors"
+        partition = load_state(partition_path)["parts"] if task.k is not None and partition_path.exists() else None
+        view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
+                          recipe.seed, partition)
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
     if task.init == "shared":
@@ -214,6 +226,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
         "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
         "val_acc": val_acc, "val_loss": val_loss, "test_acc": test_acc,
+        "metrics_on": "graph" if part_view is None else "part",
         "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
         "pid": os.getpid(), "threads": torch.get_num_threads(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
@@ -248,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="finish an interrupted run (--run-dir, default checkpoints/latest); recipe flags are ignored")
     parser.add_argument("--save-every", type=int, default=10, metavar="N",
                         help="save the resumable training state every N epochs (default 10, 0: never)")
+    parser.add_argument("--average-every", type=int, metavar="T",
+                        help="instead of independent ingredients: K trainers whose weights are averaged every T "
+                             "epochs (periodic averaging, the one mode that communicates); writes averaged.*")
     parser.add_argument("--baseline", action="store_true",
                         help="also train one full-graph model for the same epochs (the soup's reference)")
     parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
@@ -281,12 +297,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         overrides.append(f"seed={args.seed}")
     recipe = load_recipe(args.recipe, overrides)
+    if args.average_every is not None:
+        return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
                             backend=args.backend, ray_options=ray_options, save_every=args.save_every)
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1
+
+
+def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
+    """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
+    from ladle.averaging import train_with_averaging
+    from ladle.data import load_dataset
+
+    torch.set_num_threads(args.workers or torch.get_num_threads())
+    data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
+    run_dir = args.run_dir or Path("checkpoints") / f"{recipe.name}-averaged-every-{args.average_every}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir)
+    print(f"averaged every {args.average_every} epochs, K={args.ingredients}: val {meta['val_acc']:.4f} "
+          f"test {meta['test_acc']:.4f}, {meta.get('bytes', 0) / 1e6:.1f} MB sent, {meta['seconds']:.1f} s")
+    print(f"written: {run_dir / 'averaged.safetensors'}")
+    return 0
 
 
 if __name__ == "__main__":

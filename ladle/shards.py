@@ -1,0 +1,337 @@
+"""Shards: a run's graph prepared once, cut so that each worker loads only what its ingredient sees.
+
+A shard is a folder of ``.npy`` arrays (loaded with ``allow_pickle=False``, memory-mapped) and a
+``meta.json``: ``x`` (float32 features), ``y``, ``train_mask``/``val_mask``/``test_mask``, the in-edge
+CSR ``rowptr``/``col`` (row ``v`` lists the sources of the edges ``u -> v``, sorted; local ids) and
+``n_id`` (the global id of each local node). Where GCN/SAGE would multiply the features as a sparse
+matrix (bag of words), their non-zeros are stored too (``x_rowptr``/``x_col``/``x_value``), so a
+worker builds its inputs without ever reading the dense ``x``.
+
+For partition views (``metis``, ``random``) shard ``part-k`` is part ``k``'s induced subgraph, all
+that ingredient ever sees; a worker trains it as the whole graph of a static view and validates on
+its own val nodes. Every run also gets ``graph``, the whole graph as one shard: sampled views,
+``full`` and the baseline memory-map it, so concurrent workers share one copy in the page cache.
+
+Preparation (load, partition, write) happens once per content hash of what the shards depend on
+(dataset, split, features, view, K, seed) into ``<cache>/shards/<hash>/``; each run links it as
+``checkpoints/<run>/shards``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+from ladle.checkpoints import atomic_open, read_json, write_json
+from ladle.config import Recipe
+from ladle.data import cache_dir, load_dataset
+from ladle.errors import LadleError
+from ladle.models import GraphInputs, adjacency, graph_inputs, use_sparse_features
+from ladle.sparse import SparseMatrix
+from ladle.views import PARTITION_KINDS, FullView, IngredientView, ViewConfig, build_view
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT = 1
+_MASKS = ("train_mask", "val_mask", "test_mask")
+
+
+# ---------------------------------------------------------------- one shard
+
+
+@dataclass
+class Shard:
+    """One loaded shard: its graph and arrays (memory-mapped copy-on-write) and its ``meta.json``."""
+
+    path: Path
+    data: Data
+    arrays: dict[str, Tensor]
+    meta: dict[str, Any]
+
+    @property
+    def rowptr(self) -> Tensor:
+        """Row pointers of the in-edge CSR (one row per local target node)."""
+        return self.arrays["rowptr"]
+
+    @property
+    def col(self) -> Tensor:
+        """Local source ids of the in-edge CSR."""
+        return self.arrays["col"]
+
+    def inputs(self, model: str) -> GraphInputs:
+        """:func:`~ladle.models.graph_inputs` of the whole shard, decided and built the same way, but bag-of-words
+        features come from their stored non-zeros: the dense ``x`` is never read."""
+        if not self.meta["sparse_features"] or model == "gat":
+            return graph_inputs(self.data, model, sparse_features=False)
+        rowptr = self.arrays["x_rowptr"]
+        row = torch.repeat_interleave(torch.arange(rowptr.numel() - 1), rowptr.diff())
+        features = SparseMatrix(row, self.arrays["x_col"], self.arrays["x_value"], tuple(self.data.x.shape))
+        return GraphInputs(features, adjacency(self.data.edge_index, self.data.num_nodes, model), self.data.num_nodes)
+
+    def view(self, config: ViewConfig, seed: int) -> IngredientView:
+        """The static view of a part shard: the part is the whole graph its ingredient trains on."""
+        return PartShardView(self, config, seed)
+
+
+class PartShardView(FullView):
+    """Part ``k`` of a partition view, from its shard: trains exactly as :class:`~ladle.views.PartitionView`
+    (same nodes, same local edge order) without the rest of the graph; ``describe`` adds its cut edges."""
+
+    def __init__(self, shard: Shard, config: ViewConfig, seed: int) -> None:
+        super().__init__(shard.data, config, shard.meta["k"], shard.meta["num_ingredients"], seed)
+        self.num_classes = shard.meta["num_classes"]
+        self.cut = {key: shard.meta[key] for key in ("cut_edges", "total_cut_edges")}
+
+    def describe(self) -> dict:
+        """The view's summary with the partition's ``cut_edges`` and ``total_cut_edges``."""
+        return {**super().describe(), **self.cut}
+
+
+def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tensor,
+                extra: dict[str, Any]) -> dict[str, Any]:
+    """Write the subgraph of ``data`` on ``nodes`` (global ids, with its local CSR) as a shard; return its meta."""
+    whole = nodes.numel() == data.num_nodes  # nodes are sorted and unique: all of them, in order
+
+    def take(values: Tensor) -> Tensor:
+        return values if whole else values[nodes]
+
+    arrays = {"x": take(data.x), "y": take(data.y), **{mask: take(data[mask]) for mask in _MASKS},
+              "rowptr": rowptr, "col": col, "n_id": nodes}
+    sparse = use_sparse_features(arrays["x"], "gcn")  # the same choice for sage; gat never goes sparse
+    if sparse:
+        row, column = arrays["x"].nonzero(as_tuple=True)
+        x_rowptr = torch.zeros(nodes.numel() + 1, dtype=torch.long)
+        x_rowptr[1:] = torch.bincount(row, minlength=nodes.numel()).cumsum(0)
+        arrays |= {"x_rowptr": x_rowptr, "x_col": column, "x_value": arrays["x"][row, column]}
+    meta = {"format": SHARD_FORMAT, "num_nodes": int(nodes.numel()), "num_edges": int(col.numel()),
+            "sparse_features": sparse,
+            "num_features": int(data.num_features), "num_classes": int(data.num_classes),
+            **{mask.replace("_mask", "_nodes"): int(arrays[mask].sum()) for mask in _MASKS}, **extra,
+            "arrays": {name: [list(array.shape), str(array.numpy().dtype)] for name, array in arrays.items()}}
+    for name, array in arrays.items():
+        with atomic_open(path / f"{name}.npy") as stream:
+            np.save(stream, array.contiguous().numpy(), allow_pickle=False)
+    write_json(path / "meta.json", meta)
+    return meta
+
+
+def load_shard(path: Path) -> Shard:
+    """Memory-map a shard (copy-on-write: nothing is read until used, nothing is written back).
+
+    No pickle is involved; a missing or truncated file is a :class:`LadleError` naming the fix.
+    """
+    path = Path(path)
+    meta = read_json(path / "meta.json")
+    if meta.get("format") != SHARD_FORMAT:
+        raise LadleError(f"shard {path} has format {meta.get('format')}, expected {SHARD_FORMAT}; "
+                         "rebuild it with python -m ladle.prepare --force")
+    arrays: dict[str, Tensor] = {}
+    for name, (shape, dtype) in meta["arrays"].items():
+        try:
+            array = np.load(path / f"{name}.npy", mmap_mode="c", allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise LadleError(f"shard {path} is corrupt or incomplete ({name}.npy: {error}); "
+                             "rebuild it with python -m ladle.prepare --force") from None
+        if list(array.shape) != shape or str(array.dtype) != dtype:
+            raise LadleError(f"shard {path} is corrupt ({name}.npy is {array.dtype}{list(array.shape)}, "
+                             f"expected {dtype}{shape}); rebuild it with python -m ladle.prepare --force")
+        arrays[name] = torch.from_numpy(array)
+    rowptr, col = arrays["rowptr"], arrays["col"]
+    row = torch.repeat_interleave(torch.arange(meta["num_nodes"]), rowptr.diff())
+    data = Data(x=arrays["x"], y=arrays["y"], edge_index=torch.stack([col, row]), n_id=arrays["n_id"],
+                num_nodes=meta["num_nodes"], **{mask: arrays[mask] for mask in _MASKS})
+    data.num_classes = meta["num_classes"]
+    data.name = meta["dataset"]
+    return Shard(path, data, arrays, meta)
+
+
+# ---------------------------------------------------------------- the shards of a run
+
+
+def shard_inputs(recipe: Recipe, ingredients: int) -> dict[str, Any]:
+    """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them)."""
+    return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
+            "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
+            "seed": recipe.seed}
+
+
+def shard_key(recipe: Recipe, ingredients: int) -> str:
+    """The content hash naming the cache folder of a run's shards."""
+    text = json.dumps(shard_inputs(recipe, ingredients), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """The prepared shards of a run: ``graph`` always, ``part-XX`` for partition views, and the
+    node -> part ids of ``metis``/``random``/``cluster`` views (``partition.npy``)."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: Path) -> ShardSet:
+        """The shard set in ``path`` (a cache folder or a run's ``shards`` link)."""
+        return cls(Path(path), read_json(Path(path) / "shards.json"))
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether each ingredient has a part shard of its own."""
+        return bool(self.meta["parts"])
+
+    def graph(self) -> Path:
+        """The whole-graph shard (sampled and full views, the baseline, the soup)."""
+        return self.path / "graph"
+
+    def part(self, k: int) -> Path:
+        """The shard of ingredient ``k`` of a partition view."""
+        return self.path / f"part-{k:02d}"
+
+    def partition(self) -> Tensor | None:
+        """The node -> part ids the run's view uses, or None."""
+        if not self.meta["partition"]:
+            return None
+        return torch.from_numpy(np.load(self.path / "partition.npy", allow_pickle=False))
+
+    def complete(self) -> bool:
+        """Whether every shard listed in ``shards.json`` has its ``meta.json`` (arrays are checked on load)."""
+        names = ["graph", *self.meta["parts"]]
+        return self.meta.get("format") == SHARD_FORMAT and all((self.path / n / "meta.json").is_file() for n in names)
+
+    def link(self, run_dir: Path) -> Path:
+        """Point ``run_dir/shards`` at this set (a symlink, replaced atomically); return the link."""
+        link = Path(run_dir) / "shards"
+        temp = Path(run_dir) / f".shards.{os.getpid()}"
+        temp.unlink(missing_ok=True)
+        temp.symlink_to(self.path.resolve(), target_is_directory=True)
+        os.replace(temp, link)
+        return link
+
+
+def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
+                   force: bool = False) -> ShardSet:
+    """The shards of a run of ``recipe`` with ``ingredients`` ingredients, from the cache or built now.
+
+    Building loads the dataset once, computes the run's partition (once per run, so all workers use
+    the same one: METIS draws from the process-wide ``rand()``; this also validates the view settings)
+    and writes every shard into a temporary folder renamed into place at the end, so a crash or a
+    concurrent preparation never leaves a half-written set. ``force`` rebuilds.
+    """
+    if ingredients < 1:
+        raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
+    root = cache_dir() / "shards"
+    target = root / shard_key(recipe, ingredients)
+    stale = target.exists()
+    if stale and (target / "shards.json").is_file() and not force:
+        shards = ShardSet.open(target)
+        if shards.complete():
+            log.info("shards of %s (K=%d, view %s) from the cache: %s", recipe.dataset, ingredients,
+                     recipe.view.kind, target)
+            return shards
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create the shard cache {root}: {error.strerror} "
+                         "(set LADLE_CACHE to a writable folder)") from None
+    start = time.perf_counter()
+    temp = root / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        meta = _build(recipe, ingredients, data_root, temp)
+        write_json(temp / "shards.json", meta | {"key": target.name, "seconds": time.perf_counter() - start})
+        if stale:
+            shutil.rmtree(target)  # forced, or found incomplete
+        os.rename(temp, target)
+    except OSError as error:
+        if stale or not (target / "shards.json").is_file():
+            raise
+        log.info("another process prepared %s first (%s); using it", target, error.strerror)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    log.info("prepared shards of %s (K=%d, view %s) in %.1f s: %s", recipe.dataset, ingredients,
+             recipe.view.kind, time.perf_counter() - start, target)
+    return ShardSet.open(target)
+
+
+def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folder: Path) -> dict[str, Any]:
+    """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``."""
+    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
+    view = build_view(data, recipe.view, 0, ingredients, recipe.seed)  # bad view settings fail here
+    partition: Tensor | None = getattr(view, "parts", None)
+    adj = view.adj  # the in-edge CSR, already built when the view partitioned the graph
+    common = {"dataset": recipe.dataset.lower(), "view": recipe.view.kind}
+    graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
+                        {**common, "k": None, "num_ingredients": ingredients})
+    parts: list[str] = []
+    if recipe.view.kind in PARTITION_KINDS:
+        assert partition is not None
+        parts = _write_parts(data, adj.rowptr, adj.src, partition, ingredients, folder, common)
+    if partition is not None:
+        with atomic_open(folder / "partition.npy") as stream:
+            np.save(stream, partition.numpy(), allow_pickle=False)
+    return {"format": SHARD_FORMAT, "inputs": shard_inputs(recipe, ingredients),
+            "graph": {k: v for k, v in graph.items() if k != "arrays"}, "parts": parts,
+            "partition": partition is not None, "created": dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def _write_parts(data: Data, rowptr: Tensor, src: Tensor, parts: Tensor, num_parts: int, folder: Path,
+                 common: dict[str, Any]) -> list[str]:
+    """Write each part's induced subgraph (cut edges dropped) as ``part-XX``; return their names.
+
+    Nodes keep their global order and edges their CSR order, so part ``k`` is exactly
+    :class:`~ladle.views.PartitionView` ``k``'s eval graph.
+    """
+    num_nodes = data.num_nodes
+    dst = torch.repeat_interleave(torch.arange(num_nodes), rowptr.diff())
+    edge_part = parts[dst]
+    inside = parts[src] == edge_part
+    cross = ~inside
+    cut = (torch.bincount(edge_part[cross], minlength=num_parts)
+           + torch.bincount(parts[src][cross], minlength=num_parts))
+    total_cut = int(cross.sum())
+    del cross
+    sizes = torch.bincount(parts, minlength=num_parts)
+    empty = (sizes == 0).nonzero().view(-1)
+    if empty.numel():
+        raise LadleError(f"view.kind={common['view']} left part {int(empty[0])} of {num_parts} empty; "
+                         "use fewer ingredients or view.kind=random")
+    order = torch.argsort(parts, stable=True)  # nodes grouped by part, ascending within a part
+    local = torch.empty(num_nodes, dtype=torch.long)
+    local[order] = torch.arange(num_nodes) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    kept = inside.nonzero().view(-1)
+    kept = kept[torch.argsort(edge_part[kept], stable=True)]  # grouped by part, CSR order kept
+    names = []
+    for k, (nodes, edges) in enumerate(zip(order.split(sizes.tolist()),
+                                           kept.split(torch.bincount(edge_part[kept], minlength=num_parts).tolist()))):
+        part_rowptr = torch.zeros(nodes.numel() + 1, dtype=torch.long)
+        part_rowptr[1:] = torch.bincount(local[dst[edges]], minlength=nodes.numel()).cumsum(0)
+        meta = write_shard(folder / f"part-{k:02d}", data, nodes, part_rowptr, local[src[edges]],
+                           {**common, "k": k, "num_ingredients": num_parts, "cut_edges": int(cut[k]),
+                            "total_cut_edges": total_cut})
+        if meta["train_nodes"] == 0:
+            log.warning("ingredient %d: its %s part has no train nodes", k, common["view"])
+        names.append(f"part-{k:02d}")
+    return names
+
+
+def summary_table(shards: ShardSet) -> str:
+    """One line per shard: nodes, edges, train/val/test nodes and size on disk."""
+    lines = [f"{'shard':<10}{'nodes':>10}{'edges':>12}{'train':>8}{'val':>8}{'test':>9}{'MB':>9}"]
+    for name in ["graph", *shards.meta["parts"]]:
+        meta = read_json(shards.path / name / "meta.json")
+        size = sum(p.stat().st_size for p in (shards.path / name).iterdir()) / 2**20
+        lines.append(f"{name:<10}{meta['num_nodes']:>10}{meta['num_edges']:>12}{meta['train_nodes']:>8}"
+                     f"{meta['val_nodes']:>8}{meta['test_nodes']:>9}{size:>9.1f}")
+    return "\n".join(lines)
