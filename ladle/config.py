@@ -5,6 +5,7 @@ A recipe is data (torchtune style): every key is a dataclass field, nested secti
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
@@ -239,3 +240,17 @@ def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     base = Recipe().to_dict()
     _deep_update(base, values)
     return _build(Recipe, base)
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe options the commands share: ``key=value`` overrides, ``--recipe``, ``--seed``, ``--data-root``."""
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    parser.add_argument("--recipe", help="recipe name in recipes/ or a .yaml path (default: the embedded default)")
+    parser.add_argument("--seed", type=int, help="base seed (same as the override seed=S)")
+    parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """The recipe named by :func:`add_recipe_arguments`' options."""
+    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
+    return load_recipe(args.recipe, overrides)

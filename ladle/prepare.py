@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ladle.config import load_recipe
+from ladle.config import add_recipe_arguments, recipe_from_args
 from ladle.errors import run_cli
 from ladle.shards import prepare_shards, summary_table
 
@@ -20,11 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prepare (once, cached) the per-ingredient shards of a run.",
         epilog="Any recipe key can be overridden as key=value, e.g. dataset=physics view.kind=metis",
     )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
-    parser.add_argument("--recipe", help="recipe name in recipes/ or a .yaml path (default: the embedded default)")
+    add_recipe_arguments(parser)
     parser.add_argument("--ingredients", "-k", type=int, default=8, help="number of ingredients K (default 8)")
-    parser.add_argument("--seed", type=int, help="base seed (same as the override seed=S)")
-    parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache has these shards")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
@@ -33,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.prepare``."""
     args = build_parser().parse_args(argv)
-    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = recipe_from_args(args)
     shards = prepare_shards(recipe, args.ingredients, args.data_root, args.force)
     print(summary_table(shards))
     print(f"shards: {shards.path} (prepared in {shards.meta['seconds']:.1f} s; "

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ladle.checkpoints import (StateDict, ingredient_name, load_state, load_state_and_metadata, save_state,
                                write_json)
-from ladle.config import Recipe, load_recipe
+from ladle.config import Recipe, add_recipe_arguments, recipe_from_args
 from ladle.errors import LadleError, run_cli
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
 from ladle.views import IngredientView, build_view
@@ -244,13 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train K GNN ingredients, each in its own process with no communication.",
         epilog="Any recipe key can be overridden as key=value, e.g. dataset=citeseer view.kind=metis epochs=50",
     )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
-    parser.add_argument("--recipe", help="recipe name in recipes/ or a .yaml path (default: the embedded default)")
+    add_recipe_arguments(parser)
     parser.add_argument("--ingredients", "-k", type=int, default=8, help="number of ingredients K (default 8)")
     parser.add_argument("--workers", "-w", type=int, default=None,
                         help="processes training at once (default: min(K, cores))")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/<recipe>-<time>)")
-    parser.add_argument("--seed", type=int, help="base seed (same as the override seed=S)")
     init = parser.add_mutually_exclusive_group()
     init.add_argument("--shared-init", dest="init", action="store_const", const="shared",
                       help="all ingredients start from the same weights (default)")
@@ -266,7 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "epochs (periodic averaging, the one mode that communicates); writes averaged.*")
     parser.add_argument("--baseline", action="store_true",
                         help="also train one full-graph model for the same epochs (the soup's reference)")
-    parser.add_argument("--data-root", help="dataset root folder (default $LADLE_DATA, ../shared/datasets, ./data)")
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where to train")
     parser.add_argument("--backend", default="local", choices=("local", "ray"),
                         help="local worker processes (default) or a Ray cluster (pip install 'ladle[ray]')")
@@ -293,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print(run.summary_table())
         print(f"run directory: {run.run_dir}")
         return 0 if not run.failed else 1
-    overrides = list(args.overrides)
-    if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = recipe_from_args(args)
     if args.average_every is not None:
         return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,

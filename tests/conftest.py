@@ -5,9 +5,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = PROJECT.parent / "shared" / "datasets"
@@ -52,3 +54,12 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
     """Run ``python -m module args`` as a user would; capture its output."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           cwd=cwd or PROJECT, timeout=timeout)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a busy 2-core machine two threads stall each other on every small op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

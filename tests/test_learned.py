@@ -1,7 +1,6 @@
 """Learned soups: exact mixing, honesty (only validation labels are read), and a real soup of Cora ingredients."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,7 @@ from ladle.soup import Evaluator, load_ingredients
 MODES = [False, True]  # learned, learned-partition
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: on a busy 2-core machine two threads stall each other on every small op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _state(seed: int) -> StateDict:
