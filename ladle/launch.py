@@ -282,7 +282,3 @@ def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers
                 failed[task.name] = f"{type(error).__name__}: {error}"
     return results, failed
 
-
-def load_run(run_dir: Path) -> dict[str, Any]:
-    """The ``run.json`` of a run directory."""
-    return read_json(Path(run_dir) / "run.json")

@@ -51,10 +51,6 @@ class SparseMatrix:
         moved.shape, moved.csr, moved.csr_t = self.shape, self.csr.to(device), self.csr_t.to(device)
         return moved
 
-    def nnz(self) -> int:
-        """Number of stored entries."""
-        return int(self.csr.values().numel())
-
 
 def _to_csr(row: Tensor, col: Tensor, value: Tensor, shape: tuple[int, int]) -> Tensor:
     order = torch.argsort(row * shape[1] + col)
