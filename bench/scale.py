@@ -69,13 +69,13 @@ class TreeMonitor:
             for pid in self._tree():
                 try:
                     status = Path(f"/proc/{pid}/status").read_text().splitlines()
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
                 except OSError:
                     continue
                 fields = {line.split(":")[0]: line.split()[1] for line in status if line[:5] in ("VmHWM", "VmRSS")}
                 if "VmHWM" in fields:
                     self.peak_mb[pid] = int(fields["VmHWM"]) / 1024
-                    self.names[pid] = cmdline
+                    self.names[pid] = process_role(argv)
                     total += int(fields["VmRSS"]) / 1024
             self.max_sum_mb = max(self.max_sum_mb, total)
             self._stop.wait(self.interval)
@@ -87,6 +87,16 @@ class TreeMonitor:
         pid = max(self.peak_mb, key=self.peak_mb.__getitem__)
         return {"largest_peak_mb": self.peak_mb[pid], "largest_process": self.names[pid],
                 "processes": len(self.peak_mb), "max_sum_rss_mb": self.max_sum_mb}
+
+
+def process_role(argv: list[str]) -> str:
+    """What a process is, without machine paths: ``ladle.prepare``, ``worker``, ``scale.py --soup-child``..."""
+    if any("spawn_main" in arg for arg in argv):
+        return "worker"
+    if "-m" in argv and argv.index("-m") + 1 < len(argv):
+        return argv[argv.index("-m") + 1]
+    scripts = [Path(arg).name + (" --soup-child" if "--soup-child" in argv else "") for arg in argv[1:2]]
+    return scripts[0] if scripts else Path(argv[0]).name
 
 
 def stage(name: str, command: list[str]) -> dict[str, Any]:
