@@ -29,7 +29,7 @@ from ladle.checkpoints import StateDict, save_state, write_json
 from ladle.config import Recipe
 from ladle.errors import LadleError
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
-from ladle.train import batch_loss, evaluate, ingredient_seed, peak_rss_mb
+from ladle.train import BatchInputs, evaluate, ingredient_seed, peak_rss_mb, train_epoch
 from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
@@ -44,35 +44,14 @@ class _Trainer:
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.model.load_state_dict(init)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-        self.recipe, self.full_inputs = recipe, full_inputs
-        self.static_inputs: GraphInputs | None = None
+        self.inputs = BatchInputs(view, full_inputs, recipe.model, "cpu")
         torch.manual_seed(ingredient_seed(recipe.seed, view.k))
         self.rng = torch.get_rng_state()
-
-    def _inputs(self, batch: Data) -> GraphInputs:
-        """Static views build their inputs once (the full graph's when they cover it), others every batch."""
-        if not self.view.static:
-            return graph_inputs(batch, self.recipe.model)
-        if self.static_inputs is None:
-            whole = batch.num_nodes == self.full_inputs.num_nodes
-            self.static_inputs = self.full_inputs if whole else graph_inputs(batch, self.recipe.model)
-        return self.static_inputs
 
     def train_epoch(self, epoch: int) -> None:
         """One epoch over this trainer's batches, on its own RNG stream."""
         torch.set_rng_state(self.rng)
-        self.model.train()
-        for batch in self.view.batches(epoch):
-            inputs = self._inputs(batch)
-            if not bool(batch.loss_mask.any()):
-                continue
-            loss = batch_loss(self.model(inputs), batch)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"averaging: trainer {self.view.k}'s loss became {loss.item()} at epoch "
-                                         f"{epoch}; lower lr or check the features")
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
+        train_epoch(self.model, self.optimizer, self.view, epoch, self.inputs, f"averaging trainer {self.view.k}")
         self.rng = torch.get_rng_state()
 
 

@@ -59,6 +59,40 @@ def batch_loss(logits: Tensor, batch: Data) -> Tensor:
     return (losses * weight[mask]).sum() if weight is not None else losses.mean()
 
 
+class BatchInputs:
+    """Model inputs of a view's batches: built once for static views (``whole`` itself when the batch is
+    that graph), every batch for sampled views."""
+
+    def __init__(self, view: IngredientView, whole: GraphInputs, model: str, device: torch.device | str) -> None:
+        self.view, self.whole, self.model, self.device = view, whole, model, device
+        self._static: GraphInputs | None = None
+
+    def __call__(self, batch: Data) -> GraphInputs:
+        if not self.view.static:
+            return graph_inputs(batch, self.model).to(self.device)
+        if self._static is None:
+            self._static = (self.whole if batch.num_nodes == self.whole.num_nodes
+                            else graph_inputs(batch, self.model).to(self.device))
+        return self._static
+
+
+def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> None:
+    """One epoch of Adam steps over ``view``'s batches; a non-finite loss raises ``FloatingPointError``."""
+    model.train()
+    for batch in view.batches(epoch):
+        batch_input = inputs(batch)
+        if not bool(batch.loss_mask.any()):
+            continue
+        loss = batch_loss(model(batch_input), batch.to(device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{name}: loss became {loss.item()} at epoch {epoch}; "
+                                     "lower lr or check the features")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def peak_rss_mb() -> float:
     """This process's own peak resident memory, in MiB (``VmHWM``: ``ru_maxrss`` inherits the parent's)."""
     try:
@@ -176,32 +210,18 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     eval_graph = view.eval_graph()
     eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(
         eval_graph, recipe.model).to(device)
-    static_inputs: GraphInputs | None = None
+    batch_inputs = BatchInputs(view, eval_inputs, recipe.model, device)
 
     bar = tqdm(total=recipe.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
                leave=False, dynamic_ncols=True, disable=None)
     for epoch in range(progress.next_epoch, recipe.epochs):
         if progress.stale >= recipe.patience:
             break
-        model.train()
-        for batch in view.batches(epoch):
-            if view.static:
-                if static_inputs is None:
-                    static_inputs = eval_inputs if batch.num_nodes == eval_graph.num_nodes else graph_inputs(
-                        batch, recipe.model)
-                inputs = static_inputs
-            else:
-                inputs = graph_inputs(batch, recipe.model).to(device)
-            if not bool(batch.loss_mask.any()):
-                continue
-            loss = batch_loss(model(inputs), batch.to(device))
-            if not torch.isfinite(loss):
-                bar.close()
-                raise FloatingPointError(f"{task.name}: loss became {loss.item()} at epoch {epoch}; "
-                                         "lower lr or check the features")
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        try:
+            train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
+        except FloatingPointError:
+            bar.close()
+            raise
         val_acc, val_loss = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
         if (val_acc, -val_loss) > progress.best_key:
             progress.best_acc, progress.best_neg_loss, progress.best_epoch, progress.stale = (
