@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class Recipe:
     soup: SoupConfig = field(default_factory=SoupConfig)
 
     def __post_init__(self) -> None:
+        if not _is_file_name(self.name):
+            raise ValueError(f"name must be a plain file name (not empty, no '/' or '\\', not starting with '.', "
+                             f"at most {_MAX_NAME} characters), got {self.name!r}")
         _check_choice("model", self.model, MODEL_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("features", self.features, FEATURE_MODES)
@@ -78,8 +82,10 @@ class Recipe:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.lr <= 0 or self.weight_decay < 0:
-            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+        if not (math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            raise ValueError(f"lr must be finite and > 0, weight_decay finite and >= 0; got {self.lr}, "
+                             f"{self.weight_decay}")
         if self.split < 0 or self.seed < 0:
             raise ValueError("split and seed must be >= 0")
 
@@ -90,6 +96,16 @@ class Recipe:
     def replace(self, **changes: Any) -> Recipe:
         """A copy with top-level fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+_MAX_NAME = 100
+
+
+def _is_file_name(name: str) -> bool:
+    """Whether ``name`` is one plain file-name component (the run directory is named after it): not empty,
+    no path separator or control character, not hidden (so neither ``.`` nor ``..``), not overlong."""
+    return (0 < len(name) <= _MAX_NAME and not name.startswith(".") and "/" not in name and "\\" not in name
+            and name.isprintable())
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -128,13 +144,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise LadleError(f"recipe key '{key}' must be a list, got {value!r}")
         return tuple(_coerce(key, item, item_hint) for item in value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
+    if hint is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
-            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)  # ints, and strings: YAML 1.1 reads 1e-3 (no dot) as a string
         except ValueError:
-            pass
+            raise LadleError(f"recipe key '{key}' must be of type float, got {value!r}") from None
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+        if not math.isfinite(number):
+            raise LadleError(f"recipe key '{key}' must be a finite number, got {value!r}")
+        return number
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         name = getattr(hint, "__name__", str(hint))
         raise LadleError(f"recipe key '{key}' must be of type {name}, got {value!r}")
@@ -183,6 +202,8 @@ def resolve_recipe_path(name_or_path: str) -> Path:
         candidate = folder / f"{name_or_path}.yaml"
         if candidate.is_file():
             return candidate
+    if path.is_dir():
+        raise LadleError(f"recipe {path} is a directory, not a recipe file (give a .yaml file or a recipe name)")
     available = sorted({p.stem for d in recipe_dirs() if d.is_dir() for p in d.glob("*.yaml")})
     raise LadleError(
         f"recipe '{name_or_path}' not found (a .yaml path, or one of: {', '.join(available) or 'none'})"
