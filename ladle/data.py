@@ -1,25 +1,34 @@
 """Datasets from a root folder in PyG's layout, their standard splits, and a seeded synthetic graph.
 
 The root is resolved as ``--data-root`` > ``$LADLE_DATA`` > ``../shared/datasets`` (when it exists)
-> ``./data``. The root may be read-only: raw files are staged into a writable cache
-(``$LADLE_CACHE`` or ``~/.cache/ladle``) where PyG writes its ``processed/`` files.
+> ``./data``, and may be read-only. PyG reads a dataset's files in a private folder ladle has just
+created; what it produced is kept in the cache (``$LADLE_CACHE`` or ``~/.cache/ladle``) as plain
+``.npy`` arrays under ``datasets/<name>-<identity>/``, where the identity is a digest of the files'
+paths, sizes and mtimes (:func:`dataset_identity`). Nothing in the cache is unpickled: arrays load
+with ``allow_pickle=False`` and PyG is never handed a ``processed/`` file ladle did not just write.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import math
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch_geometric
 from torch import Tensor
 from torch_geometric.data import Data
 from torch_geometric.utils import to_undirected
 
+from ladle.checkpoints import atomic_open, read_json, write_json
 from ladle.errors import LadleError
 
 log = logging.getLogger(__name__)
@@ -126,7 +135,8 @@ def resolve_data_root(data_root: str | Path | None = None) -> Path:
     if data_root is not None:
         root = Path(data_root).expanduser()
         if not root.is_dir():
-            raise LadleError(f"data root {root} does not exist (pass --data-root or set LADLE_DATA)")
+            problem = "is not a directory" if root.exists() else "does not exist"
+            raise LadleError(f"data root {root} {problem} (pass --data-root or set LADLE_DATA)")
         return root
     for candidate in (Path.cwd().parent / "shared" / "datasets",
                       Path(__file__).resolve().parents[2] / "shared" / "datasets"):
@@ -136,27 +146,64 @@ def resolve_data_root(data_root: str | Path | None = None) -> Path:
 
 
 def cache_dir() -> Path:
-    """Writable folder for staged raw files and PyG's processed output."""
+    """Writable folder for the datasets' arrays and the shards."""
     return Path(os.environ.get("LADLE_CACHE", Path.home() / ".cache" / "ladle")).expanduser()
 
 
-def _stage(root: Path, folder: str) -> Path:
-    """Copy ``root/folder`` (raw files only) into the cache once; return the cache root to load from."""
-    source = root / folder
-    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    staged_root = cache_dir() / "datasets" / digest
-    target = staged_root / folder
-    stamp = target / ".staged"
-    signature = ";".join(
-        f"{p.relative_to(source)}:{p.stat().st_size}" for p in sorted(source.rglob("*"))
-        if p.is_file() and "processed" not in p.parts
-    )
-    if not (stamp.is_file() and stamp.read_text() == signature):
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("processed"))
-        stamp.write_text(signature)
-    return staged_root
+DATASET_FORMAT = 1
+_ARRAY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def dataset_identity(name: str, data_root: str | Path | None = None) -> str | None:
+    """A digest of the files ``name`` is read from (relative path, size and mtime of each) and of the PyG
+    version that reads them: an edited file or another copy of the dataset gives another identity.
+
+    Resolves (and so checks) the data root on every call. ``"generated"`` for the synthetic graph;
+    ``None`` when the root holds none of the dataset's files (PyG would download them).
+    """
+    key = name.lower()
+    if key.startswith("synthetic"):
+        return "generated"
+    return _files_digest(resolve_data_root(data_root) / _source(key).folder)
+
+
+def _source(key: str) -> _Source:
+    if key not in SOURCES:
+        raise LadleError(f"unknown dataset '{key}' (known: {', '.join(DATASET_NAMES)})")
+    return SOURCES[key]
+
+
+def _files_digest(folder: Path) -> str | None:
+    """:func:`dataset_identity` of the files in ``folder`` (anything under a ``processed/`` is ignored)."""
+    if not folder.is_dir():
+        return None
+    files = sorted(path for path in folder.rglob("*")
+                   if path.is_file() and "processed" not in path.relative_to(folder).parts)
+    if not files:
+        return None
+    digest = hashlib.sha256(f"ladle-dataset {DATASET_FORMAT}; torch_geometric {torch_geometric.__version__}\n".encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.relative_to(folder).as_posix()}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def forget_dataset(name: str, data_root: str | Path | None = None) -> None:
+    """Drop the cached arrays of ``name`` as read from this root's files: the next load reads them again."""
+    key = name.lower()
+    identity = dataset_identity(key, data_root)
+    if identity not in (None, "generated"):
+        discard(cache_dir() / "datasets" / f"{key}-{identity}")
+
+
+def discard(path: Path) -> None:
+    """Remove a cache folder: renamed aside first, so no reader ever sees it half deleted."""
+    aside = path.parent / f".{path.name}.discarded.{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
@@ -170,27 +217,120 @@ def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
     if key.startswith("synthetic"):
         data = synthetic_graph(**parse_synthetic(key))
         return _finish(data, features == "normalize")
-    if key not in SOURCES:
-        raise LadleError(f"unknown dataset '{name}' (known: {', '.join(DATASET_NAMES)})")
-    source = SOURCES[key]
-    root = resolve_data_root(data_root)
-    if (root / source.folder).is_dir():
-        load_root = _stage(root, source.folder)
-    else:
-        load_root = root  # PyG's own download, where the machine is online
-    try:
-        data = source.load(load_root)
-    except LadleError:
-        raise
-    except Exception as error:  # noqa: BLE001 - PyG raises URLError, OSError, RuntimeError, ...
-        raise LadleError(
-            f"dataset '{key}' could not be loaded from {root} ({type(error).__name__}); put its files "
-            f"({source.files}) in {root / source.folder}/raw or pass --data-root"
-        ) from None
+    source = _source(key)
+    data = _cached_graph(key, source, resolve_data_root(data_root))
     data = _with_split(data, source.splits, split)
     normalize = features == "normalize" or (features == "auto" and source.normalize)
     data.name = key
     return _finish(data, normalize)
+
+
+def _cached_graph(key: str, source: _Source, root: Path) -> Data:
+    """The dataset's arrays from the cache entry of its files' identity, or read by PyG now and cached."""
+    identity = _files_digest(root / source.folder)
+    entries = cache_dir() / "datasets"
+    if identity is not None and (entries / f"{key}-{identity}").is_dir():
+        entry = entries / f"{key}-{identity}"
+        try:
+            data = _read_entry(entry)
+        except LadleError as error:
+            log.warning("%s; reading the dataset files again", error)
+        else:
+            with contextlib.suppress(OSError):  # the last use, for ladle.prepare --prune; the cache may be read-only
+                os.utime(entry)
+            return data
+    data = _read_with_pyg(key, source, root, entries, present=identity is not None)
+    identity = identity or _files_digest(root / source.folder)  # a download kept in the root has one now
+    if identity is not None:
+        _write_entry(entries / f"{key}-{identity}", key, data)
+    return data
+
+
+def _read_with_pyg(key: str, source: _Source, root: Path, entries: Path, present: bool) -> Data:
+    """Let PyG read the dataset's files (or, when not ``present``, download them) in a folder ladle creates now
+    and deletes after, so PyG only ever loads the ``processed/`` files it has just written itself."""
+    folder = root / source.folder
+    try:
+        entries.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{key}-", suffix=".tmp", dir=entries))
+    except OSError as error:
+        raise LadleError(f"cannot create the dataset cache {entries}: {error.strerror} "
+                         "(set LADLE_CACHE to a writable folder)") from None
+    try:
+        if present:
+            shutil.copytree(folder, work / source.folder, ignore=shutil.ignore_patterns("processed"))
+        try:
+            data = source.load(work)
+        except LadleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - PyG raises URLError, OSError, RuntimeError, ...
+            raise LadleError(_unreadable(key, source, root, error, present)) from None
+        if not present:
+            _keep_download(work / source.folder, folder)
+        return data
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _unreadable(key: str, source: _Source, root: Path, error: Exception, present: bool) -> str:
+    """What to tell a user whose dataset PyG could not read: its files are damaged, or not there."""
+    if present:
+        detail = (str(error).strip().splitlines() or [""])[0][:160]
+        return (f"dataset '{key}' could not be read from {root / source.folder} ({type(error).__name__}: {detail}); "
+                f"its files ({source.files}) are damaged or incomplete: replace them")
+    return (f"dataset '{key}' could not be loaded from {root} ({type(error).__name__}); put its files "
+            f"({source.files}) in {root / source.folder}/raw or pass --data-root")
+
+
+def _keep_download(downloaded: Path, folder: Path) -> None:
+    """Keep what PyG downloaded in the data root, as PyG itself would, so the next run reads it from there."""
+    try:
+        shutil.copytree(downloaded, folder, ignore=shutil.ignore_patterns("processed"))
+    except OSError as error:
+        log.warning("could not keep the downloaded files in %s (%s); they will be downloaded again", folder,
+                    error.strerror or error)
+
+
+def _write_entry(entry: Path, key: str, data: Data) -> None:
+    """Cache the tensors of ``data`` as ``.npy`` arrays + ``meta.json``, written aside and renamed into place."""
+    arrays = {name: value.contiguous().numpy() for name, value in data.items() if isinstance(value, Tensor)}
+    temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent))
+    try:
+        for name, array in arrays.items():
+            with atomic_open(temp / f"{name}.npy") as stream:
+                np.save(stream, array, allow_pickle=False)
+        write_json(temp / "meta.json", {
+            "format": DATASET_FORMAT, "dataset": key, "num_nodes": int(data.num_nodes),
+            "torch_geometric": torch_geometric.__version__,
+            "arrays": {name: [list(array.shape), str(array.dtype)] for name, array in arrays.items()}})
+        discard(entry)  # a corrupt one
+        os.rename(temp, entry)
+    except OSError as error:
+        if not entry.is_dir():  # else another process cached it first
+            log.warning("could not cache dataset '%s' in %s (%s)", key, entry, error.strerror or error)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _read_entry(entry: Path) -> Data:
+    """A cached dataset: ``.npy`` arrays memory-mapped without pickle, each checked against ``meta.json``."""
+    meta = read_json(entry / "meta.json")
+    corrupt = f"dataset cache {entry} is corrupt"
+    if (meta.get("format") != DATASET_FORMAT or not isinstance(meta.get("arrays"), dict)
+            or not isinstance(meta.get("num_nodes"), int)):
+        raise LadleError(f"{corrupt} (format {meta.get('format')}, expected {DATASET_FORMAT})")
+    arrays: dict[str, Tensor] = {}
+    for name, expected in meta["arrays"].items():
+        if not _ARRAY_NAME.fullmatch(name):
+            raise LadleError(f"{corrupt} (array name {name!r})")
+        try:
+            array = np.load(entry / f"{name}.npy", mmap_mode="c", allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise LadleError(f"{corrupt} ({name}.npy: {error})") from None
+        if [list(array.shape), str(array.dtype)] != expected:
+            raise LadleError(f"{corrupt} ({name}.npy is {array.dtype}{list(array.shape)}, expected {expected})")
+        arrays[name] = torch.from_numpy(array)
+    return Data(num_nodes=meta["num_nodes"], **arrays)
 
 
 def _finish(data: Data, normalize: bool) -> Data:
@@ -262,9 +402,12 @@ def parse_synthetic(spec: str) -> dict[str, float]:
                 f"bad synthetic option '{item}' (known: {', '.join(SYNTHETIC_DEFAULTS)}; e.g. synthetic:nodes=100000)"
             )
         try:
-            options[key] = type(SYNTHETIC_DEFAULTS[key])(float(value))
-        except ValueError:
-            raise LadleError(f"synthetic option '{key}' needs a number, got '{value}'") from None
+            number = float(value)
+            options[key] = type(SYNTHETIC_DEFAULTS[key])(number)
+        except (ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise LadleError(f"synthetic option '{key}' needs a finite number, got '{value}'")
     if options["nodes"] < options["classes"] * 4 or options["degree"] < 1 or options["features"] < 1:
         raise LadleError("synthetic graph needs nodes >= 4 * classes, degree >= 1 and features >= 1")
     return options

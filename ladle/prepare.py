@@ -1,28 +1,50 @@
-"""``python -m ladle.prepare``: load, partition and shard a run's graph once, before training it.
+"""``python -m ladle.prepare``: load, partition and shard a run's graph once, before training it; list and
+prune the cache.
 
 Takes the recipe arguments of ``python -m ladle.train``; a later ``ladle.train`` with the same
-dataset, view, ``-k`` and seed finds the shards in the cache and links them into its run directory
-instead of loading the whole graph (see :mod:`ladle.shards`).
+dataset files, view, ``-k`` and seed finds the shards in the cache and links them into its run directory
+instead of loading the whole graph (see :mod:`ladle.shards`). ``--list`` shows what the cache holds
+(datasets' arrays, shard sets) with sizes; ``--prune`` removes entries unused for ``--older-than``, then
+the least recently used until the cache fits ``--max-size``.
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
+from ladle.checkpoints import read_json
 from ladle.config import add_recipe_arguments, recipe_from_args
-from ladle.errors import run_cli
+from ladle.data import cache_dir, discard
+from ladle.errors import LadleError, run_cli
 from ladle.shards import prepare_shards, summary_table
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m ladle.prepare`` command line."""
     parser = argparse.ArgumentParser(
         prog="python -m ladle.prepare",
-        description="Prepare (once, cached) the per-ingredient shards of a run.",
+        description="Prepare (once, cached) the per-ingredient shards of a run; list or prune the cache.",
         epilog="Any recipe key can be overridden as key=value, e.g. dataset=physics view.kind=metis",
     )
     add_recipe_arguments(parser)
     parser.add_argument("--ingredients", "-k", type=int, default=8, help="number of ingredients K (default 8)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the cache has these shards")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild the shards and the dataset's cached arrays even if the cache has them")
+    cache = parser.add_argument_group("the cache ($LADLE_CACHE, default ~/.cache/ladle)")
+    cache.add_argument("--list", action="store_true", help="list the cached datasets and shard sets with sizes")
+    cache.add_argument("--prune", action="store_true",
+                       help="remove entries unused for --older-than, then the least recently used until the "
+                            "cache fits --max-size")
+    cache.add_argument("--older-than", metavar="AGE", help="with --prune: unused for longer than AGE (30d, 12h, 90m)")
+    cache.add_argument("--max-size", metavar="SIZE", help="with --prune: keep at most SIZE in the cache (2G, 500M)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -30,12 +52,122 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.prepare``."""
     args = build_parser().parse_args(argv)
+    if args.list or args.prune:
+        return _manage_cache(args)
+    if args.older_than or args.max_size:
+        raise LadleError("--older-than and --max-size go with --prune")
     recipe = recipe_from_args(args)
     shards = prepare_shards(recipe, args.ingredients, args.data_root, args.force)
     print(summary_table(shards))
     print(f"shards: {shards.path} (prepared in {shards.meta['seconds']:.1f} s; "
           "ladle.train with the same recipe, -k and seed links them as <run>/shards)")
     return 0
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One folder of the cache: a dataset's arrays, a shard set, or what an interrupted build left."""
+
+    path: Path
+    what: str
+    size: int  # bytes
+    used: float  # last use (the folder's mtime, set on each use), seconds since the epoch
+
+
+def cache_entries(cache: Path) -> list[CacheEntry]:
+    """Every entry of the cache's ``datasets/`` and ``shards/`` folders, least recently used first."""
+    entries = []
+    for section in ("datasets", "shards"):
+        folder = cache / section
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.is_dir() and not path.is_symlink():
+                entries.append(CacheEntry(path, _describe(path), _size(path), path.stat().st_mtime))
+    return sorted(entries, key=lambda entry: entry.used)
+
+
+def _describe(path: Path) -> str:
+    if path.name.startswith("."):
+        return "left by an interrupted or running build"
+    try:
+        if (path / "meta.json").is_file():
+            meta = read_json(path / "meta.json")
+            return f"dataset {meta['dataset']}: {meta['num_nodes']} nodes"
+        if (path / "shards.json").is_file():
+            inputs = read_json(path / "shards.json")["inputs"]
+            return (f"shards of {inputs['dataset']}: view {inputs['view']['kind']}, K={inputs['ingredients']}, "
+                    f"seed {inputs['seed']}")
+    except (LadleError, KeyError, TypeError):
+        return "unreadable"
+    return "raw files staged by an older ladle"
+
+
+def _size(path: Path) -> int:
+    return sum(os.lstat(os.path.join(folder, name)).st_size
+               for folder, _dirs, files in os.walk(path) for name in files)
+
+
+def select_for_pruning(entries: list[CacheEntry], older_than: float | None, max_size: int | None,
+                       now: float) -> list[CacheEntry]:
+    """The entries to remove: unused for more than ``older_than`` seconds, then the least recently used
+    until the rest fit ``max_size`` bytes."""
+    doomed = [e for e in entries if older_than is not None and now - e.used > older_than]
+    kept = sorted((e for e in entries if e not in doomed), key=lambda e: e.used)
+    total = sum(e.size for e in kept)
+    while max_size is not None and kept and total > max_size:
+        oldest = kept.pop(0)
+        doomed.append(oldest)
+        total -= oldest.size
+    return doomed
+
+
+def _manage_cache(args: argparse.Namespace) -> int:
+    """``--list`` and ``--prune``."""
+    if args.list and args.prune:
+        raise LadleError("give --list or --prune, not both")
+    if args.list and (args.older_than or args.max_size):
+        raise LadleError("--older-than and --max-size go with --prune")
+    cache = cache_dir()
+    entries = cache_entries(cache)
+    if args.list:
+        if not entries:
+            print(f"the cache {cache} is empty")
+            return 0
+        print(f"{'MB':>10}  {'last used':<16}  entry")
+        for entry in entries:
+            used = dt.datetime.fromtimestamp(entry.used).strftime("%Y-%m-%d %H:%M")
+            print(f"{entry.size / 2**20:>10.1f}  {used:<16}  {entry.path.parent.name}/{entry.path.name}  ({entry.what})")
+        print(f"{sum(e.size for e in entries) / 2**20:.1f} MB in {len(entries)} entries under {cache}")
+        return 0
+    if args.older_than is None and args.max_size is None:
+        raise LadleError("--prune needs --older-than AGE and/or --max-size SIZE (e.g. --older-than 30d --max-size 5G)")
+    older_than = None if args.older_than is None else parse_age(args.older_than)
+    max_size = None if args.max_size is None else parse_size(args.max_size)
+    doomed = select_for_pruning(entries, older_than, max_size, time.time())
+    for entry in doomed:
+        discard(entry.path)
+        print(f"removed {entry.path.parent.name}/{entry.path.name} ({entry.size / 2**20:.1f} MB, {entry.what})")
+    left = sum(e.size for e in entries if e not in doomed)
+    print(f"removed {len(doomed)} entries ({sum(e.size for e in doomed) / 2**20:.1f} MB); "
+          f"{left / 2**20:.1f} MB left under {cache}")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    """``500M``, ``2G``, ``1.5GiB``, ``1024`` (bytes) -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match:
+        raise LadleError(f"--max-size must be a size such as 500M or 2G, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def parse_age(text: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w``; a bare number is days -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*", text.lower())
+    if not match:
+        raise LadleError(f"--older-than must be an age such as 30d, 12h or 90m, got {text!r}")
+    return float(match.group(1)) * _SECONDS[match.group(2) or "d"]
 
 
 if __name__ == "__main__":

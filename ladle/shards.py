@@ -13,11 +13,12 @@ its own val nodes. Every run also gets ``graph``, the whole graph as one shard: 
 ``full`` and the baseline memory-map it, so concurrent workers share one copy in the page cache.
 
 Preparation (load, partition, write) happens once per content hash of what the shards depend on
-(dataset, split, features, view, K, seed) into ``<cache>/shards/<hash>/``; each run links it as
-``checkpoints/<run>/shards``.
+(dataset, the identity of its files, split, features, view, K, seed) into ``<cache>/shards/<hash>/``;
+each run links it as ``checkpoints/<run>/shards``. The data root is checked on every call, cached or not.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -36,7 +37,7 @@ from torch_geometric.data import Data
 
 from ladle.checkpoints import atomic_open, read_json, write_json
 from ladle.config import Recipe
-from ladle.data import cache_dir, load_dataset
+from ladle.data import cache_dir, dataset_identity, forget_dataset, load_dataset
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.sparse import SparseMatrix
@@ -160,17 +161,21 @@ def load_shard(path: Path) -> Shard:
 # ---------------------------------------------------------------- the shards of a run
 
 
-def shard_inputs(recipe: Recipe, ingredients: int) -> dict[str, Any]:
-    """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them)."""
+def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None = None) -> dict[str, Any]:
+    """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them), with the
+    identity of the dataset's files under ``data_root`` (:func:`~ladle.data.dataset_identity`)."""
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
             "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
-            "seed": recipe.seed}
+            "seed": recipe.seed, "data": dataset_identity(recipe.dataset, data_root)}
 
 
-def shard_key(recipe: Recipe, ingredients: int) -> str:
+def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = None) -> str:
     """The content hash naming the cache folder of a run's shards."""
-    text = json.dumps(shard_inputs(recipe, ingredients), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _hash(shard_inputs(recipe, ingredients, data_root))
+
+
+def _hash(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -227,19 +232,26 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     Building loads the dataset once, computes the run's partition (once per run, so all workers use
     the same one: METIS draws from the process-wide ``rand()``; this also validates the view settings)
     and writes every shard into a temporary folder renamed into place at the end, so a crash or a
-    concurrent preparation never leaves a half-written set. ``force`` rebuilds.
+    concurrent preparation never leaves a half-written set. The data root is checked every time: the key
+    holds the identity of the dataset's files, and without files (a download) nothing is reused.
+    ``force`` rebuilds, the dataset's cached arrays too.
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
     root = cache_dir() / "shards"
-    target = root / shard_key(recipe, ingredients)
+    inputs = shard_inputs(recipe, ingredients, data_root)
+    target = root / _hash(inputs)
     stale = target.exists()
-    if stale and (target / "shards.json").is_file() and not force:
+    if stale and (target / "shards.json").is_file() and not force and inputs["data"] is not None:
         shards = ShardSet.open(target)
         if shards.complete():
             log.info("shards of %s (K=%d, view %s) from the cache: %s", recipe.dataset, ingredients,
                      recipe.view.kind, target)
+            with contextlib.suppress(OSError):  # the last use, for ladle.prepare --prune
+                os.utime(target)
             return shards
+    if force:
+        forget_dataset(recipe.dataset, data_root)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -281,7 +293,7 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     if partition is not None:
         with atomic_open(folder / "partition.npy") as stream:
             np.save(stream, partition.numpy(), allow_pickle=False)
-    return {"format": SHARD_FORMAT, "inputs": shard_inputs(recipe, ingredients),
+    return {"format": SHARD_FORMAT, "inputs": shard_inputs(recipe, ingredients, data_root),
             "graph": {k: v for k, v in graph.items() if k != "arrays"}, "parts": parts,
             "partition": partition is not None, "created": dt.datetime.now().isoformat(timespec="seconds")}
 

@@ -1,0 +1,233 @@
+"""Nothing foreign runs, nothing silently mixed: a pickle-free dataset cache, recipe names that stay in
+their folder, finite numbers only, shards keyed by the dataset files with the data root checked every
+time, and the cache listed and pruned."""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_module
+from ladle.config import load_recipe
+from ladle.data import dataset_identity, load_dataset
+from ladle.errors import LadleError, run_cli
+from ladle.prepare import cache_entries
+from ladle.prepare import main as prepare_main
+from ladle.shards import load_shard, prepare_shards, shard_key
+
+RANDOM_2 = ["view.kind=random"]
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: a harmless stand-in for code run from a planted cache file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of this test alone (so planting and pruning touch nothing else)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("LADLE_CACHE", str(folder))
+    return folder
+
+
+def _same_graph(data, reference) -> bool:
+    return all(torch.equal(data[key], reference[key])
+               for key in ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask"))
+
+
+def _entry(cache: Path, name: str) -> Path:
+    (entry,) = (cache / "datasets").glob(f"{name}-*")
+    return entry
+
+
+# ------------------------------------------------------------------ 1. the dataset cache runs nothing
+
+
+def test_planted_pickles_in_the_dataset_cache_never_run(cache: Path, data_root: Path, cora_data,
+                                                        tmp_path: Path) -> None:
+    assert _same_graph(load_dataset("cora", data_root), cora_data)
+    marker = tmp_path / "pwned"
+    for folder in [p for p in (cache / "datasets").rglob("*") if p.is_dir()]:
+        for target in (folder / "data.pt", folder / "processed" / "data.pt"):  # where PyG looks for its output
+            target.parent.mkdir(exist_ok=True)
+            torch.save({"x": _Payload(marker)}, target)
+    for array in (cache / "datasets").rglob("*.npy"):  # an object array: np.load would need pickle
+        np.save(array, np.array([_Payload(marker)], dtype=object), allow_pickle=True)
+    assert not marker.exists()
+    again = load_dataset("cora", data_root)
+    assert not marker.exists()
+    assert _same_graph(again, cora_data)  # the refused entry was read again from the dataset files
+    assert all(np.load(a, allow_pickle=False).dtype != object for a in _entry(cache, "cora").glob("*.npy"))
+
+
+def test_a_corrupt_cache_entry_is_rebuilt_not_blamed_on_the_raw_files(cache: Path, data_root: Path,
+                                                                      cora_data) -> None:
+    load_dataset("cora", data_root)
+    for file in [*(cache / "datasets").rglob("*.pt"), *(cache / "datasets").rglob("*.npy")]:
+        file.write_bytes(file.read_bytes()[:100])
+    assert _same_graph(load_dataset("cora", data_root), cora_data)
+
+
+def test_damaged_dataset_files_are_named_as_such(cache: Path, data_root: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "root"
+    shutil.copytree(data_root / "Cora", copy / "Cora", ignore=shutil.ignore_patterns("processed"))
+    graph = copy / "Cora" / "raw" / "ind.cora.graph"
+    graph.write_bytes(graph.read_bytes()[:50])
+    with pytest.raises(LadleError, match="damaged or incomplete: replace them") as error:
+        load_dataset("cora", copy)
+    assert "/raw or pass --data-root" not in str(error.value)
+
+
+def test_prepare_force_clears_the_dataset_cache(cache: Path, data_root: Path, cora_data) -> None:
+    load_dataset("cora", data_root)
+    labels = _entry(cache, "cora") / "y.npy"
+    np.save(labels, np.zeros(cora_data.num_nodes, dtype=np.int64))  # well formed, wrong: only --force notices
+    assert int(load_dataset("cora", data_root).y.max()) == 0
+    args = [*RANDOM_2, "-k", "2", "--data-root", str(data_root)]
+    assert run_cli(prepare_main, [*args, "--force"]) == 0
+    assert _same_graph(load_dataset("cora", data_root), cora_data)
+    assert torch.equal(load_shard(cache / "shards" / shard_key(load_recipe(None, RANDOM_2), 2, data_root) / "graph")
+                       .data.y, cora_data.y)
+
+
+# ------------------------------------------------------------------ 4. a recipe name stays in its folder
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", "a/b", "", ".hidden", "..", "a\\b", "a\nb",
+                                  "x" * 101])
+def test_recipe_name_must_be_a_plain_file_name(name: str, tmp_path: Path) -> None:
+    with pytest.raises(LadleError, match="name must be a plain file name"):
+        load_recipe(None, {"name": name})
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(f"name: {name!r}\n")
+    with pytest.raises(LadleError, match="name must be a plain file name"):
+        load_recipe(str(shared))
+
+
+def test_escaping_name_writes_nothing(data_root: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_module("ladle.train", "-k", "1", "epochs=1", "name=../../escaped", "--data-root", str(data_root),
+                        cwd=work)
+    assert result.returncode == 2, result.stderr
+    assert "name must be a plain file name" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == [work] and not list(work.iterdir())
+
+
+# ------------------------------------------------------------------ 5. finite numbers only
+
+
+@pytest.mark.parametrize("override", ["lr=nan", "lr=inf", "lr=-inf", "lr=.nan", "weight_decay=nan",
+                                      "weight_decay=.inf", "dropout=nan"])
+def test_non_finite_numbers_are_refused(override: str) -> None:
+    key = override.partition("=")[0]
+    with pytest.raises(LadleError, match=f"recipe key '{key}' must be a finite number"):
+        load_recipe(None, [override])
+
+
+def test_non_finite_numbers_in_a_file_or_a_synthetic_spec(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: .inf\n")
+    with pytest.raises(LadleError, match="recipe key 'lr' must be a finite number"):
+        load_recipe(str(recipe))
+    with pytest.raises(LadleError, match="synthetic option 'homophily' needs a finite number"):
+        load_dataset("synthetic:nodes=100,homophily=nan")
+
+
+def test_nan_learning_rate_writes_nothing(data_root: Path, tmp_path: Path) -> None:
+    result = run_module("ladle.train", "-k", "1", "epochs=1", "lr=nan", "--data-root", str(data_root),
+                        "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "recipe key 'lr' must be a finite number, got 'nan'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ 6. shards keyed by the data, the root checked
+
+
+@pytest.fixture
+def cached_shards(data_root: Path) -> Path:
+    """Cora's shards (random view, K=2) in the session cache."""
+    return prepare_shards(load_recipe(None, RANDOM_2), 2, data_root).path
+
+
+def test_a_bad_root_is_noticed_even_with_cached_shards(cached_shards: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = load_recipe(None, RANDOM_2)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(LadleError, match="is not a directory"):
+        prepare_shards(recipe, 2, a_file)
+    with pytest.raises(LadleError, match="does not exist"):
+        prepare_shards(recipe, 2, tmp_path / "nowhere")
+    assert run_cli(prepare_main, [*RANDOM_2, "-k", "2", "--data-root", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: data root {a_file} is not a directory (pass --data-root or set LADLE_DATA)"
+
+
+def test_another_copy_of_the_dataset_is_read(cached_shards: Path, data_root: Path, tmp_path: Path) -> None:
+    recipe = load_recipe(None, RANDOM_2)
+    copy = tmp_path / "copy"
+    shutil.copytree(data_root / "Cora", copy / "Cora", ignore=shutil.ignore_patterns("processed"))
+    assert shard_key(recipe, 2, copy) == cached_shards.name  # same files (copied with their mtimes): same shards
+    x = copy / "Cora" / "raw" / "ind.cora.x"
+    os.utime(x, ns=(time.time_ns(), time.time_ns()))  # the same bytes, but files ladle has not seen
+    touched = prepare_shards(recipe, 2, copy)
+    assert touched.path != cached_shards and touched.meta["inputs"]["data"] == dataset_identity("cora", copy)
+    assert torch.equal(load_shard(touched.graph()).data.x, load_shard(cached_shards / "graph").data.x)
+    x.write_bytes(x.read_bytes()[:200])  # another copy whose files are broken: read, not skipped
+    with pytest.raises(LadleError, match="damaged or incomplete"):
+        prepare_shards(recipe, 2, copy)
+
+
+# ------------------------------------------------------------------ 7. the cache listed and pruned; recipe paths
+
+
+def test_list_and_prune_the_cache(cache: Path, data_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for k in (2, 3):
+        assert run_cli(prepare_main, [*RANDOM_2, "-k", str(k), "--data-root", str(data_root)]) == 0
+    shards = {prepare_shards(load_recipe(None, RANDOM_2), k, data_root).path.name: k for k in (2, 3)}
+    now = time.time()
+    for name, k in shards.items():  # K=2 last used three days ago, K=3 an hour ago, the dataset now
+        stamp = now - (3 * 86400 if k == 2 else 3600)
+        os.utime(cache / "shards" / name, (stamp, stamp))
+    capsys.readouterr()
+    assert run_cli(prepare_main, ["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "dataset cora: 2708 nodes" in listing and "view random, K=2" in listing and "view random, K=3" in listing
+    assert "MB in 3 entries" in listing
+    assert run_cli(prepare_main, ["--prune", "--older-than", "2d"]) == 0
+    assert "view random, K=2" in capsys.readouterr().out
+    assert sorted(p.name for p in (cache / "shards").iterdir()) == [n for n, k in shards.items() if k == 3]
+    dataset = [e for e in cache_entries(cache) if e.what.startswith("dataset")][0]
+    assert run_cli(prepare_main, ["--prune", "--max-size", str(dataset.size + 1)]) == 0  # LRU: the shards go
+    assert [e.path for e in cache_entries(cache)] == [dataset.path]
+    for bad, message in ((["--prune"], "--prune needs --older-than"),
+                         (["--prune", "--max-size", "lots"], "--max-size must be a size"),
+                         (["--prune", "--older-than", "soon"], "--older-than must be an age"),
+                         (["--max-size", "1G"], "go with --prune")):
+        capsys.readouterr()
+        assert run_cli(prepare_main, bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_recipe_path_that_is_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "looks.yaml").mkdir()
+    for path in (tmp_path, tmp_path / "looks.yaml"):
+        with pytest.raises(LadleError, match="is a directory, not a recipe file"):
+            load_recipe(str(path))
