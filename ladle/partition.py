@@ -134,9 +134,9 @@ def label_balanced_partition(adj: InEdges, num_parts: int, seed: int, labels: Te
     lack it, and label-free clusters even out node counts. (pymetis' multi-constraint vertex weights
     gave unreliable parts here.)
     """
-    num_clusters = min(CLUSTERS_PER_PART * num_parts, adj.num_nodes)
     if num_parts == 1:
         return torch.zeros(adj.num_nodes, dtype=torch.long)
+    num_clusters = min(CLUSTERS_PER_PART * num_parts, adj.num_nodes)
     clusters = metis_partition(adj, num_clusters, seed)
     train = labels >= 0
     num_classes = int(labels.max()) + 1 if bool(train.any()) else 0

@@ -11,8 +11,9 @@ For partition views (``metis``, ``random``) shard ``part-k`` is part ``k``'s ind
 that ingredient ever sees; a worker trains it as the whole graph of a static view and validates on
 its own val nodes. With ``view.halo = L`` the shard also holds the part's L-hop in-neighbourhood,
 read-only: its split masks are false outside the part, and ``degree`` (whole-graph in-degrees) keeps
-the normalisation exact; ``meta.json`` gives the halo's nodes, edges and bytes. Every run also gets ``graph``, the whole graph as one shard: sampled views,
-``full`` and the baseline memory-map it, so concurrent workers share one copy in the page cache.
+the normalisation exact; ``meta.json`` gives the halo's nodes, edges and bytes. Every run also gets
+``graph``, the whole graph as one shard: sampled views, ``full`` and the baseline memory-map it, so
+concurrent workers share one copy in the page cache.
 
 Preparation (load, partition, write) happens once per content hash of what the shards depend on
 (dataset, split, features, view, K, seed) into ``<cache>/shards/<hash>/``; each run links it as

@@ -112,7 +112,8 @@ def test_halo_shards_match_the_view_and_report_their_overhead(data_root: Path, c
         summary = shard.view(recipe.view, recipe.seed).describe()
         assert {key: summary[key] for key in ("halo", "halo_nodes", "halo_edges", "halo_bytes")} == {
             key: meta[key] for key in ("halo", "halo_nodes", "halo_edges", "halo_bytes")}
-        assert summary["train_nodes"] == view.describe()["train_nodes"] == int((cora_data.train_mask & (parts == k)).sum())
+        own_train = int((cora_data.train_mask & (parts == k)).sum())
+        assert summary["train_nodes"] == view.describe()["train_nodes"] == own_train
         with torch.no_grad():
             logits = model(shard.inputs("gcn"))
         assert torch.allclose(logits[mine], full[shard.data.n_id[mine]], atol=1e-5), k
