@@ -64,26 +64,30 @@ class GraphInputs:
         return GraphInputs(self.x.to(device), self.adj.to(device), self.num_nodes)
 
 
-def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tensor | None = None) -> SparseMatrix | Tensor:
+def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tensor | None = None,
+              degree: Tensor | None = None) -> SparseMatrix | Tensor:
     """The adjacency a model aggregates with; rows are targets (messages flow ``src -> dst``).
 
     gcn: symmetric normalisation with self-loops; sage: mean over in-neighbours; gat: ``edge_index``.
-    ``edge_weight`` (GraphSAINT's aggregator normalisation) multiplies each edge's entry.
+    ``edge_weight`` (GraphSAINT's aggregator normalisation) multiplies each edge's entry. ``degree``
+    (in-degree of each node in a larger graph this one is cut from) replaces the in-degree counted
+    here, so nodes whose in-edges are all present are normalised exactly as in that graph.
     """
     if model == "gat":
         return edge_index
     src, dst = edge_index
     weight = torch.ones(src.numel()) if edge_weight is None else edge_weight.float()
+    if degree is None:
+        degree = torch.zeros(num_nodes).index_add_(0, dst, torch.ones(dst.numel()))
+    degree = degree.float()
     if model == "gcn":
         loops = torch.arange(num_nodes)
         src, dst = torch.cat([src, loops]), torch.cat([dst, loops])
         weight = torch.cat([weight, torch.ones(num_nodes)])
-        degree = torch.zeros(num_nodes).index_add_(0, dst, torch.ones(dst.numel()))
-        inv_sqrt = degree.pow(-0.5)
+        inv_sqrt = (degree + 1).pow(-0.5)
         value = inv_sqrt[src] * weight * inv_sqrt[dst]
     else:
-        degree = torch.zeros(num_nodes).index_add_(0, dst, torch.ones(dst.numel())).clamp(min=1)
-        value = weight / degree[dst]
+        value = weight / degree.clamp(min=1)[dst]
     return SparseMatrix(dst, src, value, (num_nodes, num_nodes))
 
 
@@ -99,12 +103,13 @@ def use_sparse_features(x: Tensor, model: str) -> bool:
 
 
 def graph_inputs(graph: Data, model: str, sparse_features: bool | None = None) -> GraphInputs:
-    """Build (once) the inputs of ``graph`` for ``model``: features and adjacency."""
+    """Build (once) the inputs of ``graph`` for ``model``: features and adjacency (normalised with the
+    graph's ``edge_weight`` and whole-graph ``degree`` where it carries them)."""
     if sparse_features is None:
         sparse_features = use_sparse_features(graph.x, model)
     x: Features = SparseMatrix.from_dense(graph.x) if sparse_features else graph.x
-    edge_weight = graph.get("edge_weight")
-    return GraphInputs(x, adjacency(graph.edge_index, graph.num_nodes, model, edge_weight), graph.num_nodes)
+    adj = adjacency(graph.edge_index, graph.num_nodes, model, graph.get("edge_weight"), graph.get("degree"))
+    return GraphInputs(x, adj, graph.num_nodes)
 
 
 class GNN(nn.Module):

@@ -9,8 +9,11 @@ worker builds its inputs without ever reading the dense ``x``.
 
 For partition views (``metis``, ``random``) shard ``part-k`` is part ``k``'s induced subgraph, all
 that ingredient ever sees; a worker trains it as the whole graph of a static view and validates on
-its own val nodes. Every run also gets ``graph``, the whole graph as one shard: sampled views,
-``full`` and the baseline memory-map it, so concurrent workers share one copy in the page cache.
+its own val nodes. With ``view.halo = L`` the shard also holds the part's L-hop in-neighbourhood,
+read-only: its split masks are false outside the part, and ``degree`` (whole-graph in-degrees) keeps
+the normalisation exact; ``meta.json`` gives the halo's nodes, edges and bytes. Every run also gets
+``graph``, the whole graph as one shard: sampled views, ``full`` and the baseline memory-map it, so
+concurrent workers share one copy in the page cache.
 
 Preparation (load, partition, write) happens once per content hash of what the shards depend on
 (dataset, the identity of its files, split, features, view, K, seed) into ``<cache>/shards/<hash>/``;
@@ -40,6 +43,7 @@ from ladle.config import Recipe
 from ladle.data import cache_dir, dataset_identity, forget_dataset, load_dataset
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, adjacency, graph_inputs, use_sparse_features
+from ladle.partition import InEdges, part_subgraph
 from ladle.sparse import SparseMatrix
 from ladle.views import PARTITION_KINDS, FullView, IngredientView, ViewConfig, build_view
 
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 SHARD_FORMAT = 1
 _MASKS = ("train_mask", "val_mask", "test_mask")
+_PART_KEYS = ("cut_edges", "total_cut_edges", "halo", "halo_nodes", "halo_edges", "halo_bytes")
 
 
 # ---------------------------------------------------------------- one shard
@@ -79,7 +84,8 @@ class Shard:
         rowptr = self.arrays["x_rowptr"]
         row = torch.repeat_interleave(torch.arange(rowptr.numel() - 1), rowptr.diff())
         features = SparseMatrix(row, self.arrays["x_col"], self.arrays["x_value"], tuple(self.data.x.shape))
-        return GraphInputs(features, adjacency(self.data.edge_index, self.data.num_nodes, model), self.data.num_nodes)
+        adj = adjacency(self.data.edge_index, self.data.num_nodes, model, degree=self.data.get("degree"))
+        return GraphInputs(features, adj, self.data.num_nodes)
 
     def view(self, config: ViewConfig, seed: int) -> IngredientView:
         """The static view of a part shard: the part is the whole graph its ingredient trains on."""
@@ -88,44 +94,75 @@ class Shard:
 
 class PartShardView(FullView):
     """Part ``k`` of a partition view, from its shard: trains exactly as :class:`~ladle.views.PartitionView`
-    (same nodes, same local edge order) without the rest of the graph; ``describe`` adds its cut edges."""
+    (same nodes, same local edge order) without the rest of the graph; ``describe`` adds its cut edges
+    and halo."""
 
     def __init__(self, shard: Shard, config: ViewConfig, seed: int) -> None:
         super().__init__(shard.data, config, shard.meta["k"], shard.meta["num_ingredients"], seed)
         self.num_classes = shard.meta["num_classes"]
-        self.cut = {key: shard.meta[key] for key in ("cut_edges", "total_cut_edges")}
+        self.part_meta = {key: shard.meta[key] for key in _PART_KEYS if key in shard.meta}
 
     def describe(self) -> dict:
-        """The view's summary with the partition's ``cut_edges`` and ``total_cut_edges``."""
-        return {**super().describe(), **self.cut}
+        """The view's summary with the partition's ``cut_edges``, ``total_cut_edges`` and, with a halo,
+        ``halo``, ``halo_nodes``, ``halo_edges`` and ``halo_bytes``."""
+        return {**super().describe(), **self.part_meta}
 
 
-def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tensor,
-                extra: dict[str, Any]) -> dict[str, Any]:
-    """Write the subgraph of ``data`` on ``nodes`` (global ids, with its local CSR) as a shard; return its meta."""
+def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tensor, extra: dict[str, Any],
+                owned: Tensor | None = None, degree: Tensor | None = None) -> dict[str, Any]:
+    """Write the subgraph of ``data`` on ``nodes`` (global ids, with its local CSR) as a shard; return its meta.
+
+    ``owned`` (bool per node): nodes outside it are a read-only halo (split masks false there);
+    ``degree`` (whole-graph in-degree per node) is stored for the halo's exact normalisation.
+    """
     whole = nodes.numel() == data.num_nodes  # nodes are sorted and unique: all of them, in order
 
     def take(values: Tensor) -> Tensor:
         return values if whole else values[nodes]
 
-    arrays = {"x": take(data.x), "y": take(data.y), **{mask: take(data[mask]) for mask in _MASKS},
-              "rowptr": rowptr, "col": col, "n_id": nodes}
+    masks = {mask: take(data[mask]) if owned is None else take(data[mask]) & owned for mask in _MASKS}
+    arrays = {"x": take(data.x), "y": take(data.y), **masks, "rowptr": rowptr, "col": col, "n_id": nodes}
     sparse = use_sparse_features(arrays["x"], "gcn")  # the same choice for sage; gat never goes sparse
     if sparse:
         row, column = arrays["x"].nonzero(as_tuple=True)
         x_rowptr = torch.zeros(nodes.numel() + 1, dtype=torch.long)
         x_rowptr[1:] = torch.bincount(row, minlength=nodes.numel()).cumsum(0)
         arrays |= {"x_rowptr": x_rowptr, "x_col": column, "x_value": arrays["x"][row, column]}
+    if degree is not None:
+        arrays["degree"] = degree
     meta = {"format": SHARD_FORMAT, "num_nodes": int(nodes.numel()), "num_edges": int(col.numel()),
             "sparse_features": sparse,
             "num_features": int(data.num_features), "num_classes": int(data.num_classes),
             **{mask.replace("_mask", "_nodes"): int(arrays[mask].sum()) for mask in _MASKS}, **extra,
+            **(_halo_footprint(arrays, owned) if owned is not None else {}),
             "arrays": {name: [list(array.shape), str(array.numpy().dtype)] for name, array in arrays.items()}}
     for name, array in arrays.items():
         with atomic_open(path / f"{name}.npy") as stream:
             np.save(stream, array.contiguous().numpy(), allow_pickle=False)
     write_json(path / "meta.json", meta)
     return meta
+
+
+def _halo_footprint(arrays: dict[str, Tensor], owned: Tensor) -> dict[str, int]:
+    """The halo's nodes, its edges (those with a halo endpoint) and the bytes of the shard they take:
+    their rows of every per-node array, their entries of the edge and feature arrays, and ``degree``."""
+    halo = ~owned
+    num_halo = int(halo.sum())
+    rowptr, col = arrays["rowptr"], arrays["col"]
+    row = torch.repeat_interleave(torch.arange(owned.numel()), rowptr.diff())
+    halo_edges = int((halo[col] | halo[row]).sum())
+    halo_nonzeros = int(arrays["x_rowptr"].diff()[halo].sum()) if "x_rowptr" in arrays else 0
+    size = 0
+    for name, array in arrays.items():
+        if name == "degree":
+            size += array.numel() * array.element_size()
+        elif name == "col":
+            size += halo_edges * array.element_size()
+        elif name in ("x_col", "x_value"):
+            size += halo_nonzeros * array.element_size()
+        else:  # one row per node (rowptr and x_rowptr: one entry per node, plus one)
+            size += num_halo * array[0].numel() * array.element_size()
+    return {"halo_nodes": num_halo, "halo_edges": halo_edges, "halo_bytes": size}
 
 
 def load_shard(path: Path) -> Shard:
@@ -152,7 +189,7 @@ def load_shard(path: Path) -> Shard:
     rowptr, col = arrays["rowptr"], arrays["col"]
     row = torch.repeat_interleave(torch.arange(meta["num_nodes"]), rowptr.diff())
     data = Data(x=arrays["x"], y=arrays["y"], edge_index=torch.stack([col, row]), n_id=arrays["n_id"],
-                num_nodes=meta["num_nodes"], **{mask: arrays[mask] for mask in _MASKS})
+                num_nodes=meta["num_nodes"], degree=arrays.get("degree"), **{mask: arrays[mask] for mask in _MASKS})
     data.num_classes = meta["num_classes"]
     data.name = meta["dataset"]
     return Shard(path, data, arrays, meta)
@@ -289,7 +326,7 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     parts: list[str] = []
     if recipe.view.kind in PARTITION_KINDS:
         assert partition is not None
-        parts = _write_parts(data, adj.rowptr, adj.src, partition, ingredients, folder, common)
+        parts = _write_parts(data, adj, partition, ingredients, recipe.view.halo, folder, common)
     if partition is not None:
         with atomic_open(folder / "partition.npy") as stream:
             np.save(stream, partition.numpy(), allow_pickle=False)
@@ -298,40 +335,33 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
             "partition": partition is not None, "created": dt.datetime.now().isoformat(timespec="seconds")}
 
 
-def _write_parts(data: Data, rowptr: Tensor, src: Tensor, parts: Tensor, num_parts: int, folder: Path,
+def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: int, folder: Path,
                  common: dict[str, Any]) -> list[str]:
-    """Write each part's induced subgraph (cut edges dropped) as ``part-XX``; return their names.
+    """Write each part's induced subgraph, with its ``halo``-hop in-neighbourhood read-only, as ``part-XX``;
+    return their names.
 
     Nodes keep their global order and edges their CSR order, so part ``k`` is exactly
     :class:`~ladle.views.PartitionView` ``k``'s eval graph.
     """
-    num_nodes = data.num_nodes
-    dst = torch.repeat_interleave(torch.arange(num_nodes), rowptr.diff())
-    edge_part = parts[dst]
-    inside = parts[src] == edge_part
-    cross = ~inside
+    edge_part = parts[adj.dst]
+    cross = parts[adj.src] != edge_part
     cut = (torch.bincount(edge_part[cross], minlength=num_parts)
-           + torch.bincount(parts[src][cross], minlength=num_parts))
+           + torch.bincount(parts[adj.src][cross], minlength=num_parts))
     total_cut = int(cross.sum())
-    del cross
-    sizes = torch.bincount(parts, minlength=num_parts)
-    empty = (sizes == 0).nonzero().view(-1)
+    del cross, edge_part
+    empty = (torch.bincount(parts, minlength=num_parts) == 0).nonzero().view(-1)
     if empty.numel():
         raise LadleError(f"view.kind={common['view']} left part {int(empty[0])} of {num_parts} empty; "
                          "use fewer ingredients or view.kind=random")
-    order = torch.argsort(parts, stable=True)  # nodes grouped by part, ascending within a part
-    local = torch.empty(num_nodes, dtype=torch.long)
-    local[order] = torch.arange(num_nodes) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-    kept = inside.nonzero().view(-1)
-    kept = kept[torch.argsort(edge_part[kept], stable=True)]  # grouped by part, CSR order kept
     names = []
-    for k, (nodes, edges) in enumerate(zip(order.split(sizes.tolist()),
-                                           kept.split(torch.bincount(edge_part[kept], minlength=num_parts).tolist()))):
-        part_rowptr = torch.zeros(nodes.numel() + 1, dtype=torch.long)
-        part_rowptr[1:] = torch.bincount(local[dst[edges]], minlength=nodes.numel()).cumsum(0)
-        meta = write_shard(folder / f"part-{k:02d}", data, nodes, part_rowptr, local[src[edges]],
-                           {**common, "k": k, "num_ingredients": num_parts, "cut_edges": int(cut[k]),
-                            "total_cut_edges": total_cut})
+    for k in range(num_parts):
+        part = part_subgraph(adj, parts, k, halo)
+        rowptr = torch.zeros(part.nodes.numel() + 1, dtype=torch.long)
+        rowptr[1:] = torch.bincount(part.edge_index[1], minlength=part.nodes.numel()).cumsum(0)
+        extra = {**common, "k": k, "num_ingredients": num_parts, "cut_edges": int(cut[k]),
+                 "total_cut_edges": total_cut, **({"halo": halo} if halo else {})}
+        meta = write_shard(folder / f"part-{k:02d}", data, part.nodes, rowptr, part.edge_index[0], extra,
+                           part.owned if halo else None, part.degree)
         if meta["train_nodes"] == 0:
             log.warning("ingredient %d: its %s part has no train nodes", k, common["view"])
         names.append(f"part-{k:02d}")

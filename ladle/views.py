@@ -1,23 +1,25 @@
 """Ingredient views: how ingredient ``k`` of ``K`` sees the graph it trains and validates on.
 
 Kinds: ``full`` (the whole graph; ingredients differ only by seed), ``metis`` / ``random`` (ingredient
-``k`` owns part ``k`` of a K-way partition and never sees the rest), ``cluster`` (ClusterGCN batches),
-``saint-node`` / ``saint-edge`` / ``saint-rw`` (GraphSAINT subgraphs with its normalisation) and
-``neighbor`` (GraphSAGE fan-out sampling). Everything is vectorised torch over an in-edge CSR plus
-pymetis, and deterministic given ``(seed, k, epoch)``: no global RNG is touched.
+``k`` owns part ``k`` of a K-way partition, :mod:`ladle.partition`, plus an optional read-only halo),
+``cluster`` (ClusterGCN batches), ``saint-node`` / ``saint-edge`` / ``saint-rw`` (GraphSAINT subgraphs
+with its normalisation) and ``neighbor`` (GraphSAGE fan-out sampling). Everything is vectorised torch
+over an in-edge CSR plus pymetis, and deterministic given ``(seed, k, epoch)``: no global RNG is touched.
 
 Every batch and eval graph is a :class:`~torch_geometric.data.Data` with ``x``, ``y`` (rows of the
 local nodes), ``edge_index`` (local ids, int64, messages flow ``edge_index[0] -> edge_index[1]``),
 ``num_nodes``, ``n_id`` (global ids of the local nodes) and ``loss_mask`` (nodes whose loss counts).
-Two optional attributes are absent unless the view needs them (read them with ``batch.get(key)``):
+Optional attributes are absent unless the view needs them (read them with ``batch.get(key)``):
 
 * ``loss_weight`` (float per node, GraphSAINT's :math:`\\lambda_v = 1 / (p_v \\cdot |V_{train}|)`):
   the training loss is ``(ce * loss_weight)[loss_mask].sum()``, an unbiased estimate of the
   full-graph mean training loss; without it the loss is ``ce[loss_mask].mean()``.
 * ``edge_weight`` (float per edge, GraphSAINT's :math:`1 / \\alpha_{u,v} = p_v / p_{u,v}` for an edge
   ``u -> v``): the model multiplies its normalised adjacency entry of that edge by it.
+* ``degree`` (int per node, partition views with a halo): in-degree in the whole graph, which the
+  model normalises with, so owned nodes aggregate exactly as on the whole graph.
 
-Eval graphs also carry ``train_mask``, ``val_mask`` and ``test_mask`` restricted to their nodes.
+Eval graphs also carry ``train_mask``, ``val_mask`` and ``test_mask`` restricted to their (owned) nodes.
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
-import pymetis
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
+
+from ladle.partition import (BALANCE_KINDS, InEdges, Part, label_balanced_partition, metis_partition,
+                             part_subgraph, random_partition, stream_generator)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class ViewConfig:
     steps_per_epoch: int = 0  # cluster/saint/neighbor: batches per epoch; 0 -> cover the graph about once
     sample_coverage: int = 20  # saint: pre-sample until each node was drawn this often on average
     fanout: tuple[int, ...] = (25, 10)  # neighbor: neighbours sampled per node, per hop
+    balance: str = "none"  # metis: "labels" balances each class's train labels across parts
+    halo: int = 0  # metis/random: hops of read-only neighbourhood each part also stores (loss on its own nodes)
 
     def __post_init__(self) -> None:
         if self.kind not in VIEW_KINDS:
@@ -71,65 +76,14 @@ class ViewConfig:
         object.__setattr__(self, "fanout", tuple(self.fanout))
         if not self.fanout or min(self.fanout) < 1:
             raise ValueError(f"view.fanout must be a non-empty list of integers >= 1, got {list(self.fanout)}")
-
-
-def _generator(seed: int, *stream: int) -> torch.Generator:
-    """A torch generator for the random stream ``(seed, *stream)``; distinct streams are independent."""
-    state = np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
-
-
-class _Adjacency:
-    """In-edge CSR of a graph: row ``v`` lists the sources of the edges ``u -> v``, sorted by ``u``.
-
-    Edge positions in this CSR are the edge ids the samplers count and index.
-    """
-
-    def __init__(self, edge_index: Tensor, num_nodes: int) -> None:
-        src, dst = edge_index.long()
-        order = torch.argsort(dst * num_nodes + src)
-        self.num_nodes = num_nodes
-        self.src, self.dst = src[order], dst[order]
-        self.deg = torch.bincount(dst, minlength=num_nodes)
-        self.rowptr = torch.zeros(num_nodes + 1, dtype=torch.long)
-        self.rowptr[1:] = torch.cumsum(self.deg, 0)
-        self.local = torch.full((num_nodes,), -1, dtype=torch.long)  # scratch global -> local map, kept all -1
-
-    def rows(self, nodes: Tensor) -> tuple[Tensor, Tensor]:
-        """CSR positions of all in-edges of ``nodes`` (row by row) and, for each, its row's index in ``nodes``."""
-        counts = self.deg[nodes]
-        owner = torch.repeat_interleave(torch.arange(nodes.numel()), counts)
-        row_start = torch.cumsum(counts, 0) - counts
-        positions = self.rowptr[nodes][owner] + torch.arange(owner.numel()) - row_start[owner]
-        return positions, owner
-
-    def induced(self, nodes: Tensor) -> tuple[Tensor, Tensor]:
-        """The edges among ``nodes``: ``edge_index`` in local ids (positions in ``nodes``) and CSR positions."""
-        self.local[nodes] = torch.arange(nodes.numel())
-        positions, owner = self.rows(nodes)
-        src = self.local[self.src[positions]]
-        self.local[nodes] = -1
-        keep = src >= 0
-        return torch.stack([src[keep], owner[keep]]), positions[keep]
-
-
-def metis_partition(adj: _Adjacency, num_parts: int, seed: int) -> Tensor:
-    """METIS k-way partition (pymetis) of an undirected graph: the part id of every node, seeded."""
-    if num_parts == 1:
-        return torch.zeros(adj.num_nodes, dtype=torch.long)
-    no_loop = adj.src != adj.dst  # METIS rejects self-loops
-    starts = torch.zeros(adj.num_nodes + 1, dtype=torch.long)
-    starts[1:] = torch.cumsum(torch.bincount(adj.dst[no_loop], minlength=adj.num_nodes), 0)
-    graph = pymetis.CSRAdjacency(starts.numpy(), adj.src[no_loop].numpy())
-    _, parts = pymetis.part_graph(num_parts, adjacency=graph, options=pymetis.Options(seed=seed % 2**31))
-    return torch.from_numpy(np.asarray(parts, dtype=np.int64))
-
-
-def random_partition(num_nodes: int, num_parts: int, generator: torch.Generator) -> Tensor:
-    """Uniformly random node partition into ``num_parts`` parts whose sizes differ by at most one."""
-    parts = torch.empty(num_nodes, dtype=torch.long)
-    parts[torch.randperm(num_nodes, generator=generator)] = torch.arange(num_nodes) * num_parts // num_nodes
-    return parts
+        if self.balance not in BALANCE_KINDS:
+            raise ValueError(f"view.balance must be one of {', '.join(BALANCE_KINDS)}; got {self.balance!r}")
+        if self.balance != "none" and self.kind != "metis":
+            raise ValueError(f"view.balance={self.balance} applies to view.kind=metis, not {self.kind}")
+        if self.halo < 0:
+            raise ValueError(f"view.halo must be >= 0 (hops; 0 = none), got {self.halo}")
+        if self.halo and self.kind not in PARTITION_KINDS:
+            raise ValueError(f"view.halo applies to view.kind={' or '.join(PARTITION_KINDS)}, not {self.kind}")
 
 
 def _chunks(num_items: int, chunk: int, steps: int, generator: torch.Generator) -> list[Tensor]:
@@ -151,10 +105,12 @@ def _graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **e
                 n_id=nodes, loss_mask=loss_mask, **extra)
 
 
-def _with_splits(graph: Data, data: Data) -> Data:
-    """``graph`` with the split masks of its nodes, for validation."""
+def _part_graph(data: Data, part: Part) -> Data:
+    """The eval graph of a partition's ``part``: its split masks and ``loss_mask`` cover owned nodes only."""
+    nodes = part.nodes
+    graph = _graph(data, nodes, part.edge_index, data.train_mask[nodes] & part.owned, degree=part.degree)
     for key in ("train_mask", "val_mask", "test_mask"):
-        graph[key] = data[key][graph.n_id]
+        graph[key] = data[key][nodes] & part.owned
     return graph
 
 
@@ -162,7 +118,7 @@ def _whole_graph(data: Data) -> Data:
     """The whole graph in the batch format, sharing (not copying) the tensors of ``data``."""
     return Data(x=data.x, y=data.y, edge_index=data.edge_index, num_nodes=data.num_nodes,
                 n_id=torch.arange(data.num_nodes), loss_mask=data.train_mask, train_mask=data.train_mask,
-                val_mask=data.val_mask, test_mask=data.test_mask)
+                val_mask=data.val_mask, test_mask=data.test_mask, degree=data.get("degree"))
 
 
 class IngredientView:
@@ -186,9 +142,9 @@ class IngredientView:
         self._eval = _whole_graph(data)
 
     @cached_property
-    def adj(self) -> _Adjacency:
+    def adj(self) -> InEdges:
         """The in-edge CSR of the input graph, built on first use (the full view never needs it)."""
-        return _Adjacency(self.data.edge_index, self.data.num_nodes)
+        return InEdges(self.data.edge_index, self.data.num_nodes)
 
     def batches(self, epoch: int) -> Iterator[Data]:
         """The training batches of one epoch (deterministic given ``seed``, ``k`` and ``epoch``)."""
@@ -215,7 +171,7 @@ class IngredientView:
         }
 
     def _epoch_generator(self, epoch: int) -> torch.Generator:
-        return _generator(self.seed, _EPOCH_STREAM, self.k, epoch)
+        return stream_generator(self.seed, _EPOCH_STREAM, self.k, epoch)
 
 
 class FullView(IngredientView):
@@ -225,9 +181,10 @@ class FullView(IngredientView):
 
 
 class PartitionView(IngredientView):
-    """Part ``k`` of a K-way partition (METIS or random, seeded by ``seed`` only): its induced subgraph.
+    """Part ``k`` of a K-way partition (METIS, label-balanced METIS or random, seeded by ``seed`` only).
 
-    Cut edges are dropped and the ingredient never sees another part (zero communication).
+    The ingredient sees the part's induced subgraph, plus its ``view.halo``-hop in-neighbourhood
+    read-only (features and edges; no labels, no loss), and never talks to another part.
     """
 
     static = True
@@ -240,26 +197,33 @@ class PartitionView(IngredientView):
                              f"{num_ingredients} parts; use at most {data.num_nodes} ingredients")
         if partition is not None:
             self.parts = partition
+        elif self.kind == "metis" and config.balance == "labels":
+            labels = torch.where(data.train_mask, data.y.view(-1), -1)
+            self.parts = label_balanced_partition(self.adj, num_ingredients, seed, labels)
         elif self.kind == "metis":
             self.parts = metis_partition(self.adj, num_ingredients, seed)
         else:
-            self.parts = random_partition(data.num_nodes, num_ingredients, _generator(seed, _PARTITION_STREAM))
-        nodes = (self.parts == k).nonzero().view(-1)
-        if nodes.numel() == 0:
+            self.parts = random_partition(data.num_nodes, num_ingredients, stream_generator(seed, _PARTITION_STREAM))
+        if not bool((self.parts == k).any()):
             raise ValueError(f"view.kind=metis left part {k} of {num_ingredients} empty; "
                              "use fewer ingredients or view.kind=random")
-        edge_index, _ = self.adj.induced(nodes)
-        self._eval = _with_splits(_graph(data, nodes, edge_index, data.train_mask[nodes]), data)
+        self.part = part_subgraph(self.adj, self.parts, k, config.halo)
+        self._eval = _part_graph(data, self.part)
         if not bool(self._eval.train_mask.any()):
             log.warning("ingredient %d: its %s part has no train nodes", k, self.kind)
 
     def describe(self) -> dict:
-        """Adds ``cut_edges`` (edges into or out of part ``k``, dropped) and ``total_cut_edges``."""
+        """Adds ``cut_edges`` (edges into or out of part ``k``, dropped unless in the halo), ``total_cut_edges``
+        and, with a halo, its hops, nodes and edges (``halo``, ``halo_nodes``, ``halo_edges``)."""
         src, dst = self.data.edge_index
         inside = self.parts == self.k
-        return {**super().describe(),
-                "cut_edges": int((inside[src] ^ inside[dst]).sum()),
-                "total_cut_edges": int((self.parts[src] != self.parts[dst]).sum())}
+        summary = {**super().describe(),
+                   "cut_edges": int((inside[src] ^ inside[dst]).sum()),
+                   "total_cut_edges": int((self.parts[src] != self.parts[dst]).sum())}
+        if self.config.halo:
+            summary |= {"halo": self.config.halo, "halo_nodes": self.part.halo_nodes,
+                        "halo_edges": self.part.halo_edges}
+        return summary
 
 
 class ClusterView(IngredientView):
@@ -364,7 +328,7 @@ class SaintView(IngredientView):
 
     def _normalisation(self, num_train: int) -> tuple[Tensor, Tensor]:
         """``(loss_weight per node, edge_weight per CSR edge)`` estimated from pre-sampled subgraphs."""
-        generator = _generator(self.seed, _NORM_STREAM, self.k)
+        generator = stream_generator(self.seed, _NORM_STREAM, self.k)
         node_count = torch.zeros(self.adj.num_nodes, dtype=torch.float64)
         edge_count = torch.zeros(self.adj.src.numel(), dtype=torch.float64)
         num_samples = drawn = 0

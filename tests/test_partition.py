@@ -1,0 +1,157 @@
+"""Partitions on real Cora: label-balanced METIS parts see every class and stay balanced; an L-hop halo
+gives a part's owned nodes exactly their full-graph logits, in memory and from shards; halo 0 is unchanged."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+from ladle.config import load_recipe
+from ladle.errors import LadleError
+from ladle.launch import train_ingredients
+from ladle.models import adjacency, build_model, graph_inputs
+from ladle.partition import InEdges, label_balanced_partition, metis_partition
+from ladle.shards import load_shard, prepare_shards
+from ladle.views import ViewConfig, build_view
+
+K = 8
+BALANCED = ViewConfig(kind="metis", balance="labels")
+
+
+def _class_histograms(data: Data, parts: Tensor) -> Tensor:
+    """Training labels per part and class, ``[K, C]``."""
+    train = data.train_mask
+    flat = parts[train] * data.num_classes + data.y[train]
+    return torch.bincount(flat, minlength=K * data.num_classes).view(K, -1)
+
+
+
+def test_label_balanced_parts_hold_every_class_and_stay_balanced(cora_data: Data) -> None:
+    views = [build_view(cora_data, BALANCED, k, K, seed=0) for k in range(K)]
+    parts = views[0].parts
+    assert all(torch.equal(view.parts, parts) for view in views)  # one partition, seeded
+    assert torch.equal(build_view(cora_data, BALANCED, 0, K, seed=0).parts, parts)
+    histograms = [view.describe()["label_histogram"] for view in views]
+    assert all(min(h) > 0 for h in histograms), histograms  # measured: 2-5 labels of each class per part
+    sizes = torch.bincount(parts, minlength=K).double()
+    assert float(sizes.max() / sizes.mean()) <= 1.05 and float(sizes.min() / sizes.mean()) >= 0.95, sizes
+    # plain METIS leaves some part with labels of only 2 of the 7 classes
+    plain = metis_partition(InEdges(cora_data.edge_index, cora_data.num_nodes), K, 0)
+    assert int((_class_histograms(cora_data, plain) > 0).sum(1).min()) < cora_data.num_classes
+    # locality survives: far fewer cut edges than a random partition (measured 44% vs 87%)
+    src, dst = cora_data.edge_index
+    random = build_view(cora_data, ViewConfig(kind="random"), 0, K, seed=0).parts
+    assert (parts[src] != parts[dst]).sum() < 0.6 * (random[src] != random[dst]).sum()
+
+
+def test_label_balanced_partition_without_train_labels_still_balances_nodes(cora_data: Data) -> None:
+    adj = InEdges(cora_data.edge_index, cora_data.num_nodes)
+    parts = label_balanced_partition(adj, 4, 0, torch.full((cora_data.num_nodes,), -1))
+    sizes = torch.bincount(parts, minlength=4).double()
+    assert float(sizes.max() / sizes.min()) < 1.05, sizes
+
+
+def _logits(model: torch.nn.Module, graph: Data, kind: str) -> Tensor:
+    with torch.no_grad():
+        return model(graph_inputs(graph, kind))
+
+
+@pytest.mark.parametrize("kind,layers", [("gcn", 2), ("sage", 2), ("gcn", 3), ("gat", 2)])
+def test_a_halo_of_one_hop_per_layer_gives_owned_nodes_their_full_graph_logits(
+        cora_data: Data, kind: str, layers: int, one_thread: None) -> None:
+    torch.manual_seed(0)
+    model = build_model(load_recipe(None, [f"model={kind}", f"layers={layers}"]), cora_data.num_features,
+                        cora_data.num_classes).eval()
+    full = _logits(model, cora_data, kind)
+    parts = build_view(cora_data, BALANCED, 0, K, seed=0).parts
+    for halo in (layers, layers - 1):
+        worst = 0.0
+        for k in range(K):
+            graph = build_view(cora_data, ViewConfig(kind="metis", balance="labels", halo=halo), k, K, 0,
+                               parts).eval_graph()
+            owned = parts[graph.n_id] == k
+            assert torch.equal(graph.n_id[owned], (parts == k).nonzero().view(-1))
+            assert torch.equal(graph.loss_mask, cora_data.train_mask[graph.n_id] & owned)  # loss on owned only
+            assert not (graph.val_mask | graph.test_mask)[~owned].any()
+            error = (_logits(model, graph, kind)[owned] - full[graph.n_id[owned]]).abs().max()
+            worst = max(worst, float(error))
+        if halo == layers:
+            assert worst < 1e-5, (halo, worst)
+        else:  # one hop short: the owned nodes at the boundary miss part of their receptive field
+            assert worst > 1e-4, (halo, worst)
+
+
+def test_halo_shards_match_the_view_and_report_their_overhead(data_root: Path, cora_data: Data,
+                                                             one_thread: None) -> None:
+    recipe = load_recipe(None, ["view.kind=metis", "view.balance=labels", "view.halo=2"])
+    shards = prepare_shards(recipe, K, data_root)
+    parts = shards.partition()
+    assert parts is not None and torch.equal(parts, build_view(cora_data, BALANCED, 0, K, seed=0).parts)
+    torch.manual_seed(0)
+    model = build_model(recipe, cora_data.num_features, cora_data.num_classes).eval()
+    full = _logits(model, cora_data, "gcn")
+    for k in range(K):
+        shard = load_shard(shards.part(k))
+        view = build_view(cora_data, recipe.view, k, K, recipe.seed, parts)
+        expected = view.eval_graph()
+        for key in ("x", "y", "edge_index", "n_id", "train_mask", "val_mask", "test_mask", "degree"):
+            assert torch.equal(shard.data[key], expected[key]), (k, key)
+        meta = shard.meta
+        owned = int((parts == k).sum())
+        assert meta["halo"] == 2 and meta["halo_nodes"] == shard.data.num_nodes - owned > 0
+        assert meta["halo_edges"] == view.part.halo_edges > 0
+        mine = parts[shard.data.n_id] == k
+        row_bytes = cora_data.num_features * 4 + 8 + 3 + 8 + 8 + 8  # x, y, masks, n_id, rowptr, degree
+        halo_bytes = meta["halo_nodes"] * row_bytes + meta["halo_edges"] * 8 + owned * 8  # + col, owned degrees
+        if meta["sparse_features"]:  # x_rowptr (int64) and the halo rows' non-zeros (int64 column, float32 value)
+            halo_bytes += meta["halo_nodes"] * 8 + int(shard.arrays["x_rowptr"].diff()[~mine].sum()) * 12
+        assert meta["halo_bytes"] == halo_bytes, k
+        summary = shard.view(recipe.view, recipe.seed).describe()
+        assert {key: summary[key] for key in ("halo", "halo_nodes", "halo_edges", "halo_bytes")} == {
+            key: meta[key] for key in ("halo", "halo_nodes", "halo_edges", "halo_bytes")}
+        own_train = int((cora_data.train_mask & (parts == k)).sum())
+        assert summary["train_nodes"] == view.describe()["train_nodes"] == own_train
+        with torch.no_grad():
+            logits = model(shard.inputs("gcn"))
+        assert torch.allclose(logits[mine], full[shard.data.n_id[mine]], atol=1e-5), k
+
+
+def test_halo_zero_is_the_plain_induced_part(cora_data: Data, data_root: Path) -> None:
+    graph = build_view(cora_data, ViewConfig(kind="metis", halo=0), 3, K, seed=0).eval_graph()
+    assert graph.get("degree") is None
+    assert sorted(graph.keys()) == sorted(["x", "y", "edge_index", "num_nodes", "n_id", "loss_mask",
+                                           "train_mask", "val_mask", "test_mask"])
+    for kind in ("gcn", "sage"):  # a degree equal to the one counted gives the very same adjacency
+        counted = adjacency(graph.edge_index, graph.num_nodes, kind)
+        given = adjacency(graph.edge_index, graph.num_nodes, kind,
+                          degree=torch.bincount(graph.edge_index[1], minlength=graph.num_nodes))
+        assert torch.equal(counted.csr.values(), given.csr.values())
+        assert torch.equal(counted.csr.col_indices(), given.csr.col_indices())
+    shards = prepare_shards(load_recipe(None, ["view.kind=metis"]), 2, data_root)
+    meta = load_shard(shards.part(0)).meta
+    assert "degree" not in meta["arrays"] and "halo_bytes" not in meta
+
+
+def test_training_on_halo_shards(data_root: Path, tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["view.kind=metis", "view.balance=labels", "view.halo=2", "epochs=30"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root)
+    assert not run.failed, run.summary_table()
+    for meta in run.ingredients:
+        assert meta["metrics_on"] == "part" and meta["view"]["halo"] == 2 and meta["view"]["halo_bytes"] > 0
+        assert meta["test_acc"] >= 0.6, run.summary_table()
+
+
+def test_bad_partition_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"view\.balance must be one of none, labels; got 'classes'"):
+        ViewConfig(kind="metis", balance="classes")
+    with pytest.raises(ValueError, match=r"view\.balance=labels applies to view\.kind=metis, not random"):
+        ViewConfig(kind="random", balance="labels")
+    with pytest.raises(ValueError, match=r"view\.halo must be >= 0"):
+        ViewConfig(kind="metis", halo=-1)
+    with pytest.raises(ValueError, match=r"view\.halo applies to view\.kind=metis or random, not cluster"):
+        ViewConfig(kind="cluster", halo=1)
+    with pytest.raises(LadleError, match=r"view\.halo"):
+        load_recipe(None, ["view.kind=saint-rw", "view.halo=2"])
