@@ -1,4 +1,4 @@
-"""Soup reports: the plain-text table, ``report.json``, ``report.md`` and PNG plots of a run."""
+"""Soup reports: the plain-text table, JSON, Markdown and PNG plots of a run (file names: :mod:`ladle.rundir`)."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle.checkpoints import atomic_open, write_json
+from ladle.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,16 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
-    """Write ``report.json``, ``report.md`` and, when matplotlib is installed, the PNG plots."""
-    write_json(run_dir / "report.json", report)
-    with atomic_open(run_dir / "report.md", "w") as stream:
+    """Write the report as JSON and Markdown and, when matplotlib is installed, the PNG plots."""
+    files = RunDir(run_dir)
+    write_json(files.report_json, report)
+    with atomic_open(files.report_md, "w") as stream:
         stream.write(format_markdown(report))
     return plot_report(run_dir, report)
 
 
 def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
-    """``accuracy.png`` (ingredients vs soups vs references) and ``alpha.png`` (val acc against alpha)."""
+    """Test accuracy of ingredients vs soups vs references, and validation accuracy against alpha (gis)."""
     try:
         from matplotlib.figure import Figure  # no pyplot: leaves a notebook's plotting backend alone
     except ImportError:
@@ -91,7 +93,7 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
     axis.set_ylabel("test accuracy")
     axis.set_title(f"{report['dataset']} / {report['model']} / {report['view']}")
     figure.tight_layout()
-    written.append(_save(figure, run_dir / "accuracy.png"))
+    written.append(_save(figure, RunDir(run_dir).accuracy_plot))
     gis = [s for s in report["soups"] if s["method"] == "gis" and s["curves"]]
     if gis:
         figure = Figure(figsize=(6, 4))
@@ -104,7 +106,7 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
         axis.set_ylabel("validation accuracy")
         axis.legend(fontsize=7, ncol=2)
         figure.tight_layout()
-        written.append(_save(figure, run_dir / "alpha.png"))
+        written.append(_save(figure, RunDir(run_dir).alpha_plot))
     return written
 
 
