@@ -136,5 +136,5 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
         last_average = epoch
         bar.set_postfix(val=f"{val.acc:.3f}", best=f"{best.best_acc:.3f}", sent=f"{sent / 1e6:.1f}MB")
     bar.close()
-    return {"best_state": best_state, "best_epoch": best.best_epoch, "epochs_run": last_average + 1, "averages": averages,
-            "model_bytes": model_bytes, "bytes": sent, "history": history}
+    return {"best_state": best_state, "best_epoch": best.best_epoch, "epochs_run": last_average + 1,
+            "averages": averages, "model_bytes": model_bytes, "bytes": sent, "history": history}

@@ -143,7 +143,8 @@ def _metrics(model: GNN, part: RankData, exchange: HaloExchange) -> list[float]:
     return [train, val, test, val_loss]
 
 
-def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions, run_dir: Path | None) -> dict[str, Any] | None:
+def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
+                    run_dir: Path | None) -> dict[str, Any] | None:
     """Train one rank's side of the run (call on every rank of an initialised process group).
 
     Adam on the rank's share of the loss, gradients all-reduced, validation and test accuracy from an
