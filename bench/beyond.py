@@ -29,9 +29,11 @@ import torch
 from ladle.averaging import train_with_averaging
 from ladle.config import Recipe, load_recipe
 from ladle.data import load_dataset
+from ladle.evaluation import Evaluator
 from ladle.launch import train_ingredients
 from ladle.learned import learned_soup
-from ladle.soup import Evaluator, load_ingredients, soup_run
+from ladle.rundir import load_ingredients
+from ladle.soup import soup_run
 from ladle.views import ViewConfig
 
 RECIPES = {"cora": "cora-gcn", "citeseer": "citeseer-gcn", "physics": "physics-gcn"}

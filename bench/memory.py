@@ -40,9 +40,9 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
 
     from ladle.config import load_recipe
     from ladle.data import load_dataset
+    from ladle.engine import IngredientTask, train_ingredient
     from ladle.launch import _Worker
     from ladle.shards import prepare_shards
-    from ladle.train import IngredientTask, train_ingredient
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides)

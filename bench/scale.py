@@ -8,7 +8,7 @@ three stages, each its own process tree:
 3. soup: every ingredient's full-graph val/test accuracy, the uniform, greedy and GIS soups (fast alpha
    search) and the logit ensemble, all by layer-wise inference (:mod:`ladle.inference`) over the
    memory-mapped whole-graph shard: what ``ladle.soup`` computes once its Evaluator uses it;
-4. for comparison, today's ``ladle.soup.Evaluator`` on the same shard: its setup (the validation
+4. for comparison, today's ``ladle.evaluation.Evaluator`` on the same shard: its setup (the validation
    neighbourhood), one validation score and one full-graph test score.
 
 A monitor polls ``/proc`` every 0.2 s for every process of a stage: the largest process's peak
@@ -121,11 +121,12 @@ def soup_child(run_dir: Path) -> dict[str, Any]:
     import torch
 
     from ladle.config import recipe_from_dict
+    from ladle.evaluation import Metrics, metrics
     from ladle.inference import LayerwiseInference
     from ladle.models import build_model
+    from ladle.rundir import load_ingredients
     from ladle.shards import ShardSet, load_shard
-    from ladle.soup import (Metrics, greedy_interpolation_soup, greedy_soup, load_ingredients, metrics,
-                            uniform_soup)
+    from ladle.soups import greedy_interpolation_soup, greedy_soup, uniform_soup
 
     torch.set_num_threads(2)
     start = time.perf_counter()
@@ -177,8 +178,9 @@ def evaluator_child(run_dir: Path) -> dict[str, Any]:
     import torch
 
     from ladle.config import recipe_from_dict
+    from ladle.evaluation import Evaluator
+    from ladle.rundir import load_ingredients
     from ladle.shards import ShardSet, load_shard
-    from ladle.soup import Evaluator, load_ingredients
 
     torch.set_num_threads(2)
     bundle = load_ingredients(run_dir)

@@ -22,8 +22,8 @@ from torch_geometric.nn import GCNConv
 
 from ladle.config import load_recipe
 from ladle.data import load_dataset
+from ladle.engine import IngredientTask, train_ingredient
 from ladle.launch import train_ingredients
-from ladle.train import IngredientTask, train_ingredient
 
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
 

@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from ladle.config import Recipe, load_recipe, recipe_from_dict, resolve_recipe_path
 from ladle.errors import LadleError
-from ladle.launch import available_cores, train_ingredients
+from ladle.launch import train_ingredients
+from ladle.report import report_entry, write_bytes_report
+from ladle.resources import available_cores
 from ladle.soup import soup_run
-from ladle.varrate import (COMPRESSORS, RateSchedule, VarrateOptions, free_port, init_group, load_shard,
-                           report_entry, train_partition, write_bytes_report)
+from ladle.varrate import (COMPRESSORS, RateSchedule, VarrateOptions, free_port, init_group, load_rank_data,
+                           train_partition)
 from ladle.views import ViewConfig
 
 log = logging.getLogger("bench.varrate")
@@ -57,9 +59,9 @@ def _bench_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any],
     init_group(torch.device("cpu"), jobs[0][0].timeout, f"tcp://127.0.0.1:{port}", rank, world)
     torch.set_num_threads(jobs[0][0].threads)
     try:
-        shard = load_shard(recipe, jobs[0][0].partition, torch.device("cpu"), data_root, local_rank=rank)
+        part = load_rank_data(recipe, jobs[0][0].partition, torch.device("cpu"), data_root, local_rank=rank)
         for options, run_dir in jobs:
-            train_partition(recipe, shard, options, run_dir if rank == 0 else None)
+            train_partition(recipe, part, options, run_dir if rank == 0 else None)
     finally:
         dist.destroy_process_group()
 

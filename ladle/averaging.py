@@ -6,7 +6,7 @@ K-way partition) and every ``average_every`` epochs all weights are replaced by 
 ``θ_k <- (1/K) Σ_j θ_j``; each trainer keeps its own Adam moments. The trainers run in one process in
 lockstep, an in-process stand-in for an all-reduce: each keeps its own RNG stream (saved and restored
 around its epoch), so trainer ``k`` draws exactly the dropout masks that ingredient ``k`` of
-:func:`ladle.train.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
+:func:`ladle.engine.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
 as a ring all-reduce would send it: ``2 (K - 1) / K`` model sizes per trainer, i.e.
 ``2 (K - 1) × model_bytes`` per average (model bytes: every floating-point entry of the state dict).
 The averaged model is validated on the full graph after each average; the best one is kept (early
@@ -21,15 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.checkpoints import StateDict, save_state, write_json
 from ladle.config import Recipe
+from ladle.engine import BatchInputs, BestEpoch, check_ingredients, ingredient_seed, train_epoch
 from ladle.errors import LadleError
+from ladle.evaluation import average, evaluate
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
-from ladle.train import BatchInputs, evaluate, ingredient_seed, peak_rss_mb, train_epoch
+from ladle.resources import peak_rss_mb
+from ladle.rundir import AVERAGED, RunDir
 from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
@@ -56,17 +58,17 @@ class _Trainer:
 
 
 def average_models(models: list[GNN]) -> int:
-    """Set every model's floating-point state to the mean over models (in place, so optimisers keep
-    their parameters); return the bytes of one model's averaged state."""
+    """Set every model's floating-point state to the mean over models (:func:`ladle.evaluation.average`;
+    in place, so optimisers keep their parameters); return the bytes of one model's averaged state."""
     states = [m.state_dict() for m in models]
     sent = 0
     with torch.no_grad():
+        mean = average(states)
         for key, first in states[0].items():
             if not first.is_floating_point():
                 continue
-            mean: Tensor = torch.stack([s[key] for s in states]).mean(0)
             for state in states:
-                state[key].copy_(mean)
+                state[key].copy_(mean[key])
             sent += first.numel() * first.element_size()
     return sent
 
@@ -74,14 +76,13 @@ def average_models(models: list[GNN]) -> int:
 def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_every: int,
                          run_dir: Path) -> dict[str, Any]:
     """Train ``ingredients`` trainers for ``recipe.epochs`` epochs, averaging every ``average_every``
-    epochs (and after the last); write ``averaged.safetensors`` (best averaged model on validation) and
-    ``averaged.json`` (val/test accuracy, bytes, epochs, seconds) into ``run_dir``; return the metadata."""
-    if ingredients < 1:
-        raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
+    epochs (and after the last); write the ``averaged`` weights (best averaged model on validation) and
+    metadata (val/test accuracy, bytes, epochs, seconds) into ``run_dir``; return the metadata."""
+    check_ingredients(ingredients)
     if average_every < 1:
         raise LadleError(f"--average-every must be >= 1 epoch, got {average_every}")
     start = time.perf_counter()
-    run_dir = Path(run_dir)
+    files = RunDir(run_dir)
     full_inputs = graph_inputs(data, recipe.model)
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
         torch.manual_seed(recipe.seed)
@@ -94,17 +95,17 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         meta = _lockstep(recipe, data, trainers, average_every, full_inputs)
     model = trainers[0].model
     model.load_state_dict(meta.pop("best_state"))
-    val_acc, val_loss = evaluate(model, full_inputs, data.y, data.val_mask)
-    test_acc, _ = evaluate(model, full_inputs, data.y, data.test_mask)
-    save_state(run_dir / "averaged.safetensors", model.state_dict())
+    val = evaluate(model, full_inputs, data.y, data.val_mask)
+    test = evaluate(model, full_inputs, data.y, data.test_mask)
+    save_state(files.weights(AVERAGED), model.state_dict())
     meta |= {
-        "name": "averaged", "ingredients": ingredients, "average_every": average_every, "recipe": recipe.to_dict(),
+        "name": AVERAGED, "ingredients": ingredients, "average_every": average_every, "recipe": recipe.to_dict(),
         "views": [t.view.describe() for t in trainers],
-        "val_acc": val_acc, "val_loss": val_loss, "test_acc": test_acc,
+        "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
         "bytes_formula": "2 (K - 1) x model_bytes per average (ring all-reduce)", "lockstep": "in-process",
         "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "status": "done",
     }
-    write_json(run_dir / "averaged.json", meta)
+    write_json(files.meta(AVERAGED), meta)
     return meta
 
 
@@ -112,13 +113,13 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
               full_inputs: GraphInputs) -> dict[str, Any]:
     """Step every trainer one epoch at a time; average and validate every ``average_every`` epochs."""
     models = [t.model for t in trainers]
-    best_key, best_epoch, stale, averages, sent, model_bytes, last_average = (-1.0, 0.0), -1, 0, 0, 0, 0, -1
+    best, averages, sent, model_bytes, last_average = BestEpoch(), 0, 0, 0, -1
     best_state: StateDict = copy.deepcopy(models[0].state_dict())
     history: list[dict[str, Any]] = []
     bar = tqdm(total=recipe.epochs, desc=f"averaging K={len(trainers)}", leave=False, dynamic_ncols=True,
                disable=None)
     for epoch in range(recipe.epochs):
-        if stale >= recipe.patience:
+        if best.exhausted(recipe.patience):
             break
         for trainer in trainers:
             trainer.train_epoch(epoch)
@@ -128,15 +129,12 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
         model_bytes = average_models(models)
         averages += 1
         sent += 2 * (len(trainers) - 1) * model_bytes
-        val_acc, val_loss = evaluate(models[0], full_inputs, data.y, data.val_mask)
-        history.append({"epoch": epoch, "val_acc": val_acc, "val_loss": val_loss, "bytes": sent})
-        if (val_acc, -val_loss) > best_key:
-            best_key, best_epoch, stale = (val_acc, -val_loss), epoch, 0
+        val = evaluate(models[0], full_inputs, data.y, data.val_mask)
+        history.append({"epoch": epoch, "val_acc": val.acc, "val_loss": val.loss, "bytes": sent})
+        if best.update(epoch, val, elapsed=epoch - last_average):  # stale: epochs since the previous average
             best_state = copy.deepcopy(models[0].state_dict())
-        else:
-            stale += epoch - last_average  # epochs since the previous average
         last_average = epoch
-        bar.set_postfix(val=f"{val_acc:.3f}", best=f"{best_key[0]:.3f}", sent=f"{sent / 1e6:.1f}MB")
+        bar.set_postfix(val=f"{val.acc:.3f}", best=f"{best.best_acc:.3f}", sent=f"{sent / 1e6:.1f}MB")
     bar.close()
-    return {"best_state": best_state, "best_epoch": best_epoch, "epochs_run": last_average + 1, "averages": averages,
-            "model_bytes": model_bytes, "bytes": sent, "history": history}
+    return {"best_state": best_state, "best_epoch": best.best_epoch, "epochs_run": last_average + 1,
+            "averages": averages, "model_bytes": model_bytes, "bytes": sent, "history": history}

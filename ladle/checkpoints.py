@@ -1,9 +1,8 @@
-"""Safe, atomic checkpoints: safetensors weights + JSON metadata, and the layout of a run directory.
+"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.rundir`).
 
-``checkpoints/<run>/ingredient-XX.safetensors`` + ``ingredient-XX.json``, ``run.json``;
-``checkpoints/latest`` points at the newest run. Every write goes to a temporary file in the same
-folder, is fsynced, then renamed over the target: a crash leaves the old file or the new, never half.
-Nothing here unpickles: weights load with safetensors, metadata with json.
+Every write goes to a temporary file in the same folder, is fsynced, then renamed over the target:
+a crash leaves the old file or the new, never half. Nothing here unpickles: weights load with
+safetensors, metadata with json.
 """
 from __future__ import annotations
 
@@ -109,32 +108,3 @@ def load_state(path: Path) -> StateDict:
         return load_safetensors_bytes(path.read_bytes())
     except (SafetensorError, ValueError, OSError) as error:
         raise LadleError(f"checkpoint {path} is corrupt or truncated ({error}); retrain it or remove it") from None
-
-
-def ingredient_name(k: int) -> str:
-    """``ingredient-03`` for k = 3."""
-    return f"ingredient-{k:02d}"
-
-
-def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
-    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically)."""
-    link = checkpoints_root / "latest"
-    temp = checkpoints_root / f".latest.{os.getpid()}"
-    temp.unlink(missing_ok=True)
-    try:
-        target = os.path.relpath(run_dir.resolve(), checkpoints_root.resolve())
-        temp.symlink_to(target, target_is_directory=True)
-        os.replace(temp, link)
-    except OSError:
-        temp.unlink(missing_ok=True)
-
-
-def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = Path("checkpoints")) -> Path:
-    """An existing run directory: the argument, else ``checkpoints/latest``."""
-    path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"
-    if not path.is_dir():
-        hint = "train one with python -m ladle.train" if run_dir is None else "check --run-dir"
-        raise LadleError(f"run directory {path} not found ({hint})")
-    if not (path / "run.json").is_file():
-        raise LadleError(f"{path} is not a ladle run (no run.json)")
-    return path.resolve()

@@ -67,7 +67,7 @@ class LayerwiseInference:
 
         ``bn_nodes``: first re-estimate each batch-norm layer's running statistics (in place) as the
         mean and unbiased variance of these nodes' activations, the layers below already in eval mode
-        (:func:`ladle.soup.recompute_batch_norm` propagates train-mode activations through one forward
+        (:func:`ladle.evaluation.recompute_batch_norm` propagates train-mode activations through one forward
         of a sub-graph instead; on all of Cora's nodes the two differ by ~1e-3 in the logits).
         """
         model.eval()

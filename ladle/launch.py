@@ -20,22 +20,17 @@ from typing import Any
 import torch
 from torch_geometric.data import Data
 
-from ladle.checkpoints import read_json, resolve_run_dir, save_state, update_latest, write_json
+from ladle.checkpoints import read_json, save_state, write_json
 from ladle.config import Recipe, recipe_from_dict
+from ladle.engine import IngredientTask, check_ingredients, ingredient_tasks, train_ingredient
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, build_model
+from ladle.ray_backend import import_ray, run_ray
+from ladle.resources import available_cores, resolve_device
+from ladle.rundir import BASELINE, CHECKPOINTS, RunDir, new_run_dir, resolve_run_dir, update_latest
 from ladle.shards import ShardSet, load_shard, prepare_shards
-from ladle.train import IngredientTask, train_ingredient
 
 log = logging.getLogger(__name__)
-
-
-def available_cores() -> int:
-    """CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 @dataclass
@@ -49,7 +44,7 @@ class RunResult:
 
     def summary_table(self) -> str:
         """A plain-text table of the ingredients (and baseline): val/test accuracy, epochs, time, memory."""
-        rows = [m for m in self.ingredients] + ([self.baseline] if self.baseline else [])
+        rows = list(self.ingredients) + ([self.baseline] if self.baseline else [])
         lines = [f"{'model':<15}{'view nodes':>11}{'epochs':>8}{'best':>6}{'val':>8}{'test':>8}{'sec':>8}{'RSS MB':>9}"]
         for meta in rows:
             lines.append(
@@ -101,28 +96,10 @@ def _run_task(task: IngredientTask) -> dict[str, Any]:
     return _worker.run(task)
 
 
-def _new_run_dir(recipe: Recipe, checkpoints_root: Path) -> Path:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = checkpoints_root / f"{recipe.name}-{stamp}"
-    path, n = base, 1
-    while path.exists():
-        path, n = Path(f"{base}-{n}"), n + 1
-    return path
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` without one is an error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise LadleError("--device cuda but no CUDA device is visible (use --device cpu or auto)")
-    return device
-
-
 def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None = None,
                       run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
                       data_root: str | Path | None = None, device: str = "cpu",
-                      checkpoints_root: str | Path = "checkpoints", backend: str = "local",
+                      checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
                       ray_options: dict[str, Any] | None = None, save_every: int = 10,
                       threads: int | None = None) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
@@ -132,8 +109,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
     ``threads``: torch threads per local worker (default: cores / workers).
     """
-    if ingredients < 1:
-        raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
+    check_ingredients(ingredients)
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
     workers = _check_backend(backend, workers, ingredients + int(baseline))
@@ -141,7 +117,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     data_root = None if data_root is None else str(data_root)
 
     checkpoints_root = Path(checkpoints_root)
-    run_path = Path(run_dir) if run_dir is not None else _new_run_dir(recipe, checkpoints_root)
+    run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
     _check_creatable(run_path)  # before the (maybe long) preparation
     shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
     try:
@@ -151,13 +127,13 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if not os.access(run_path, os.W_OK):
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
+    files = RunDir(run_path)
     graph = shards.meta["graph"]
     torch.manual_seed(recipe.seed)
-    save_state(run_path / "init.safetensors",
-               build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
+    save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
     partition = shards.partition()
     if partition is not None:
-        save_state(run_path / "partition.safetensors", {"parts": partition})
+        save_state(files.partition, {"parts": partition})
     shards.link(run_path)
     run_meta = {
         "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
@@ -167,12 +143,10 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                     "features": graph["num_features"], "classes": graph["num_classes"]},
         "shards": shards.meta["key"], "status": "running",
     }
-    write_json(run_path / "run.json", run_meta)
+    write_json(files.run_json, run_meta)
     if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
         update_latest(checkpoints_root, run_path)
-    tasks = [IngredientTask(k, ingredients, run_path, init, save_every) for k in range(ingredients)]
-    if baseline:
-        tasks.append(IngredientTask(None, ingredients, run_path, "shared", save_every))
+    tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every)
     return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
@@ -193,15 +167,11 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
     """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint
     restart from their last training-state file (or from scratch), bitwise as if never stopped."""
     run_path = resolve_run_dir(run_dir)
-    run_meta = read_json(run_path / "run.json")
+    run_meta = read_json(RunDir(run_path).run_json)
     recipe = recipe_from_dict(run_meta["recipe"])
     backend = backend or run_meta.get("backend", "local")
-    save_every = int(run_meta.get("save_every", 10))
-    tasks = [IngredientTask(k, run_meta["ingredients"], run_path, run_meta["init"], save_every)
-             for k in range(run_meta["ingredients"])]
-    if run_meta.get("baseline"):
-        tasks.append(IngredientTask(None, run_meta["ingredients"], run_path, "shared", save_every))
-    todo = [task for task in tasks if not _finished(task)]
+    tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
+    todo = [task for task in tasks if not task.files.finished(task.name)]
     log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
     workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
     data_root = None if data_root is None else str(data_root)
@@ -211,16 +181,14 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
                     ray_options)
 
 
-def _finished(task: IngredientTask) -> bool:
-    meta_path = task.run_dir / f"{task.name}.json"
-    weights = task.run_dir / f"{task.name}.safetensors"
-    return weights.is_file() and meta_path.is_file() and read_json(meta_path).get("status") == "done"
+def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:
+    """Every task of the run described by ``run_meta`` (its ``run.json``)."""
+    return ingredient_tasks(run_path, run_meta["ingredients"], run_meta["init"], bool(run_meta.get("baseline")),
+                            save_every)
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
     if backend == "ray":
-        from ladle.ray_backend import import_ray
-
         import_ray()  # fail before anything is written when Ray is missing
     elif backend != "local":
         raise LadleError(f"unknown backend {backend!r} (local or ray)")
@@ -233,29 +201,25 @@ def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
 def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
+    files = RunDir(run_path)
     if not tasks:
         results, failed = {}, {}
     elif backend == "local":
-        results, failed = run_local(tasks, recipe, run_path / "shards", workers, device, threads)
+        results, failed = run_local(tasks, recipe, files.shards, workers, device, threads)
     else:
-        from ladle.ray_backend import run_ray
-
         results, failed = run_ray(tasks, recipe, data_root, device, ray_options or {})
     for task in tasks:
         if task.name in failed:
-            write_json(run_path / f"{task.name}.json",
+            write_json(files.meta(task.name),
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
-    every = [IngredientTask(k, run_meta["ingredients"], run_path, run_meta["init"])
-             for k in range(run_meta["ingredients"])]
-    if run_meta.get("baseline"):
-        every.append(IngredientTask(None, run_meta["ingredients"], run_path, "shared"))
-    metas = {task.name: read_json(run_path / f"{task.name}.json") for task in every if _finished(task)}
+    metas = {task.name: read_json(files.meta(task.name))
+             for task in _run_tasks(run_path, run_meta) if files.finished(task.name)}
     metas.update(results)
     run_meta["status"] = "failed" if failed else "done"
     run_meta["failed"] = sorted(failed)
-    write_json(run_path / "run.json", run_meta)
-    ordered = [metas[name] for name in sorted(metas) if name != "baseline"]
-    return RunResult(run_path, ordered, metas.get("baseline"), sorted(failed))
+    write_json(files.run_json, run_meta)
+    ordered = [metas[name] for name in sorted(metas) if name != BASELINE]
+    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed))
 
 
 def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,

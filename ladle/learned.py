@@ -10,14 +10,15 @@ and after the last, and the best-scoring weights (accuracy, then lower loss; ear
 the soup. Only validation labels are ever read; test labels never are.
 
 ``learned``: each epoch is one forward/backward on the L-hop neighbourhood of the validation nodes
-(:class:`~ladle.soup.Evaluator`'s ``val``), exact full-graph outputs. ``learned-partition``: the graph
+(:class:`~ladle.evaluation.Evaluator`'s ``val``), exact full-graph outputs. ``learned-partition``: the graph
 is split into ``parts`` METIS parts; each step is one forward/backward on the induced subgraph of
 ``parts_per_step`` random parts (ClusterGCN normalisation, cut edges dropped), an epoch visits every
 part once, and the held-out score is a no-grad pass over fixed groups of parts. Every forward then
 touches about ``parts_per_step / parts`` of the graph, so the soup can be learned where the validation
 neighbourhood does not fit one worker's memory.
 Mixed batch-norm statistics are used as they are while learning (models run in eval mode, so the loss
-is deterministic); :func:`ladle.soup.soup_run` recomputes them for the final soup.
+is deterministic); :func:`ladle.soup.soup_run` recomputes them for the final soup. Both methods
+register in :data:`ladle.soups.SOUPS` (``learned-partition`` is not part of ``all``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,8 @@ from tqdm import tqdm
 from ladle.checkpoints import StateDict
 from ladle.errors import LadleError
 from ladle.models import GNN, GraphInputs, adjacency
-from ladle.soup import Evaluator, Metrics, SoupResult, metrics
+from ladle.evaluation import Evaluator, Metrics, SoupResult, metric_sums, metrics
+from ladle.soups import SoupInputs, register
 from ladle.sparse import SparseMatrix
 from ladle.views import ClusterView, ViewConfig, build_view
 
@@ -82,7 +85,7 @@ class Mixture:
 
 @dataclass
 class LearnedSoupResult(SoupResult):
-    """A :class:`~ladle.soup.SoupResult` (``alphas``: each ingredient's mean weight over layers) plus the
+    """A :class:`~ladle.evaluation.SoupResult` (``alphas``: each ingredient's mean weight over layers) plus the
     learned weights: ``mixing[l][k]`` for layer ``layers[l]``, and ``history``: ``(epoch, held-out acc,
     held-out loss)`` of the weights at the start of each epoch (the last row: after the last epoch)."""
 
@@ -90,6 +93,10 @@ class LearnedSoupResult(SoupResult):
     mixing: list[list[float]] = field(default_factory=list)
     history: list[tuple[int, float, float]] = field(default_factory=list)
     best_epoch: int = 0
+
+    def report_fields(self) -> dict[str, Any]:
+        """The learned weights and the selected epoch, for the soup's report row."""
+        return {"layers": self.layers, "mixing": self.mixing, "best_epoch": self.best_epoch}
 
 
 def split_validation(val_mask: Tensor, seed: int) -> tuple[Tensor, Tensor]:
@@ -200,9 +207,8 @@ class _Partitions:
             out = _mixed_logits(self.model, self.mixture, weights, self._inputs(nodes))[targets]
             self.forwards += 1
             y = self.labels[nodes[targets]]
-            correct += float((out.argmax(-1) == y).sum())
-            loss += float(F.cross_entropy(out, y, reduction="sum"))
-            count += y.numel()
+            hits, loss_sum = metric_sums(out, y)
+            correct, loss, count = correct + hits, loss + loss_sum, count + y.numel()
         return Metrics(correct / count, loss / count)
 
 
@@ -246,3 +252,13 @@ def learned_soup(states: Sequence[StateDict], evaluator: Evaluator, *, partition
         kept=list(range(mixture.num_ingredients)), alphas=weights.mean(0).tolist(),
         seconds=time.perf_counter() - start, layers=list(mixture.layers), mixing=weights.tolist(),
         history=history, best_epoch=best_epoch)
+
+
+@register("learned")
+def _learned(inputs: SoupInputs) -> LearnedSoupResult:
+    return learned_soup(inputs.states, inputs.evaluator, seed=inputs.seed)
+
+
+@register("learned-partition", in_all=False)
+def _learned_partition(inputs: SoupInputs) -> LearnedSoupResult:
+    return learned_soup(inputs.states, inputs.evaluator, partition=True, seed=inputs.seed)

@@ -2,7 +2,7 @@
 
 Tasks never talk to each other, exactly as on the local backend. A Ray worker process loads the
 dataset once and keeps it for the next ingredient it is given, uses ``--cpus-per-ingredient``
-threads, and calls :func:`ladle.train.train_ingredient` like a local worker does, so the same seed
+threads, and calls :func:`ladle.engine.train_ingredient` like a local worker does, so the same seed
 gives bit-identical weights on both backends. (Not yet for ``view.kind=metis``/``cluster``: METIS draws
 from libc's process-wide ``rand()``, which Ray's own threads also call, so a partition computed inside
 a Ray worker can differ from run to run.)
@@ -38,10 +38,11 @@ from tqdm import tqdm
 from ladle.checkpoints import atomic_open, write_json
 from ladle.config import Recipe
 from ladle.data import load_dataset
+from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError
-from ladle.launch import available_cores
 from ladle.models import GraphInputs, graph_inputs
-from ladle.train import IngredientTask, train_ingredient
+from ladle.resources import available_cores
+from ladle.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,11 @@ def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, dev
         if not gather:
             return train_ingredient(recipe, data, task, full_inputs, 0, device), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
-            local = Path(scratch)
+            local = RunDir(Path(scratch))
             if init_bytes is not None:
-                (local / "init.safetensors").write_bytes(init_bytes)
-            meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local), full_inputs, 0, device)
-            return meta, (local / f"{task.name}.safetensors").read_bytes()
+                local.init.write_bytes(init_bytes)
+            meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
+            return meta, local.weights(task.name).read_bytes()
     except (FloatingPointError, LadleError) as error:
         return {"error": f"{type(error).__name__}: {error}"}, None
 
@@ -183,7 +184,7 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, 
     try:
         _check_resources(ray, cpus, gpus)
         shared = [task for task in tasks if task.init == "shared"]
-        init_ref = ray.put((shared[0].run_dir / "init.safetensors").read_bytes()) if gather and shared else None
+        init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
         remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
                                                  retry_exceptions=True)
         threads = max(1, int(cpus))
@@ -214,11 +215,11 @@ def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, di
             except ray.exceptions.RayError as error:
                 meta, weights = {"error": _failure_message(ray, error)}, None
             if "error" not in meta:
-                checkpoint = task.run_dir / f"{task.name}.safetensors"
+                checkpoint = task.files.weights(task.name)
                 if weights is not None:
                     with atomic_open(checkpoint) as stream:
                         stream.write(weights)
-                    write_json(task.run_dir / f"{task.name}.json", meta)
+                    write_json(task.files.meta(task.name), meta)
                 elif not checkpoint.is_file():
                     meta = {"error": f"{checkpoint} was written on a worker's node but is not visible here: "
                                      "put the run directory on shared storage or pass --gather"}

@@ -1,11 +1,15 @@
-"""Soup reports: the plain-text table, ``report.json``, ``report.md`` and PNG plots of a run."""
+"""Reports of a run: the soup's plain-text table, JSON, Markdown and plots, and the varrate table and
+plot of test accuracy against bytes sent. Plots use matplotlib's ``Figure`` (never pyplot), so no
+process-wide backend is switched; without matplotlib only the text is written."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ladle.checkpoints import atomic_open, write_json
+from ladle.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +65,16 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
-    """Write ``report.json``, ``report.md`` and, when matplotlib is installed, the PNG plots."""
-    write_json(run_dir / "report.json", report)
-    with atomic_open(run_dir / "report.md", "w") as stream:
+    """Write the report as JSON and Markdown and, when matplotlib is installed, the PNG plots."""
+    files = RunDir(run_dir)
+    write_json(files.report_json, report)
+    with atomic_open(files.report_md, "w") as stream:
         stream.write(format_markdown(report))
     return plot_report(run_dir, report)
 
 
 def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
-    """``accuracy.png`` (ingredients vs soups vs references) and ``alpha.png`` (val acc against alpha)."""
+    """Test accuracy of ingredients vs soups vs references, and validation accuracy against alpha (gis)."""
     try:
         from matplotlib.figure import Figure  # no pyplot: leaves a notebook's plotting backend alone
     except ImportError:
@@ -91,7 +96,7 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
     axis.set_ylabel("test accuracy")
     axis.set_title(f"{report['dataset']} / {report['model']} / {report['view']}")
     figure.tight_layout()
-    written.append(_save(figure, run_dir / "accuracy.png"))
+    written.append(_save(figure, RunDir(run_dir).accuracy_plot))
     gis = [s for s in report["soups"] if s["method"] == "gis" and s["curves"]]
     if gis:
         figure = Figure(figsize=(6, 4))
@@ -104,7 +109,7 @@ def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
         axis.set_ylabel("validation accuracy")
         axis.legend(fontsize=7, ncol=2)
         figure.tight_layout()
-        written.append(_save(figure, run_dir / "alpha.png"))
+        written.append(_save(figure, RunDir(run_dir).alpha_plot))
     return written
 
 
@@ -112,3 +117,83 @@ def _save(figure: Any, path: Path) -> Path:
     with atomic_open(path) as stream:
         figure.savefig(stream, format="png", dpi=110)
     return path
+
+
+# ---------------------------------------------------------------- varrate: accuracy against bytes
+
+
+def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
+    """A run's entry of :func:`write_bytes_report`: its figures and its (bytes, best-so-far test acc) curve."""
+    schedule = meta["schedule"]
+    name = schedule["kind"]
+    if name == "fixed":
+        name = f"fixed r={schedule['rate_max']:g}"
+    if name not in ("full", "none"):
+        name += f" ({meta['compressor']})"
+    seconds = meta["seconds_per_epoch"]
+    halo, halo_curve = 0, []
+    for row in meta["history"]:
+        halo += row["forward_halo"] + row["backward_halo"]
+        halo_curve.append((halo, row["best_test_acc"]))
+    return {"name": name, "test_acc": meta["test_acc"], "bytes": meta["bytes"]["training"], "halo_bytes": halo,
+            "allreduce_bytes": meta["bytes"]["allreduce"], "step_seconds": seconds["step"],
+            "eval_seconds": seconds["eval"], "epochs": meta["epochs_run"],
+            "curve": [(row["training_bytes"], row["best_test_acc"]) for row in meta["history"]],
+            "halo_curve": halo_curve}
+
+
+def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, Any]]) -> list[Path]:
+    """A Markdown table and (when matplotlib is importable) a plot in ``out_dir``: test accuracy
+    against the cumulative bytes sent while training (left) and against the halo bytes alone (right),
+    one curve per entry, or a star for an entry without a curve (the soup).
+
+    Entries: ``name``, ``test_acc``, ``bytes``, and optionally ``halo_bytes``, ``allreduce_bytes``,
+    ``step_seconds`` and ``eval_seconds`` (per epoch), ``epochs``, ``curve`` and ``halo_curve`` (lists of
+    ``(cumulative bytes, best-validation test accuracy so far)``) and ``note``.
+    """
+    def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
+        return format(entry[key], fmt) if entry.get(key) is not None else "-"
+
+    lines = [f"# {title}", "", "Test accuracy at the best-validation epoch against the bytes sent while training "
+             "(forward halo + backward halo + gradient all-reduce, summed over ranks).", "",
+             "| run | test acc | training bytes | halo bytes | all-reduce bytes | step s/epoch | eval s/epoch | epochs "
+             "| note |", "|---|---|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        lines.append(f"| {entry['name']} | {entry['test_acc']:.4f} | {entry['bytes']:,} | "
+                     f"{cell(entry, 'halo_bytes', ',')} | {cell(entry, 'allreduce_bytes', ',')} | "
+                     f"{cell(entry, 'step_seconds', '.3f')} | {cell(entry, 'eval_seconds', '.3f')} | "
+                     f"{cell(entry, 'epochs', 'd')} | "
+                     f"{entry.get('note', '')} |")
+    files = RunDir(out_dir)
+    files.path.mkdir(parents=True, exist_ok=True)
+    with atomic_open(files.report_md, "w") as stream:
+        stream.write("\n".join(lines) + "\n")
+    written = [files.report_md]
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.info("matplotlib not installed: no plot (pip install 'ladle[plots]')")
+        return written
+    figure = Figure(figsize=(12, 4.5))
+    total_axis, halo_axis = figure.subplots(1, 2, sharey=True)
+    colours = colormaps["tab20" if len(entries) > 10 else "tab10"]
+    for i, entry in enumerate(entries):
+        colour = colours(i % colours.N)
+        for axis, key, final in ((total_axis, "curve", entry["bytes"]),
+                                 (halo_axis, "halo_curve", entry.get("halo_bytes", 0))):
+            curve = [(b, acc) for b, acc in entry.get(key, []) if b > 0]
+            if curve:
+                axis.plot([b for b, _ in curve], [acc for _, acc in curve], color=colour, lw=1.2, label=entry["name"])
+                axis.plot([final], [entry["test_acc"]], "o", color=colour)
+            elif axis is total_axis:  # a run that sent nothing on this axis cannot sit on a log scale
+                axis.plot([max(1, final)], [entry["test_acc"]], "*", ms=12, color=colour, label=entry["name"])
+    total_axis.set_xlabel("cumulative bytes sent while training (halo + all-reduce)")
+    halo_axis.set_xlabel("cumulative halo bytes (forward + backward)")
+    total_axis.set_ylabel("test accuracy (best validation so far)")
+    for axis in (total_axis, halo_axis):
+        axis.set_xscale("log")
+    total_axis.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return written + [_save(figure, files.bytes_plot)]

@@ -10,9 +10,9 @@ import torch
 from ladle.averaging import average_models, train_with_averaging
 from ladle.checkpoints import load_state, save_state
 from ladle.config import load_recipe
+from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError
 from ladle.models import build_model
-from ladle.train import IngredientTask, train_ingredient
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,9 +9,10 @@ import torch
 from ladle.checkpoints import StateDict
 from ladle.config import Recipe, load_recipe
 from ladle.errors import LadleError
+from ladle.evaluation import Evaluator
 from ladle.launch import train_ingredients
 from ladle.learned import Mixture, layer_of, learned_soup, split_validation
-from ladle.soup import Evaluator, load_ingredients
+from ladle.rundir import load_ingredients
 
 MODES = [False, True]  # learned, learned-partition
 

@@ -72,7 +72,7 @@ def test_notebook_trains_soups_and_saves_its_figures(trained: tuple[Path, str]) 
 def test_notebook_loads_an_existing_run_and_plots_accuracy_against_bytes(
         trained: tuple[Path, str], data_root: Path, kernels: Path, tmp_path: Path) -> None:
     out, _ = trained
-    varrate = run_module("ladle.varrate", "--workers", "2", "--run-dir", str(tmp_path / "varrate" / "linear"),
+    varrate = run_module("ladle.varrate", "--ranks", "2", "--run-dir", str(tmp_path / "varrate" / "linear"),
                          "--data-root", str(data_root), "epochs=10")
     assert varrate.returncode == 0, varrate.stderr
     notebook = execute(kernels, data_root, run_dir=str(out / "checkpoints" / "latest"),

@@ -15,14 +15,14 @@ import torch
 from conftest import PROJECT
 from ladle.checkpoints import load_state
 from ladle.config import load_recipe
+from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError, run_cli
+from ladle.evaluation import recompute_batch_norm
 from ladle.inference import LayerwiseInference
 from ladle.launch import train_ingredients
 from ladle.models import build_model, graph_inputs
 from ladle.prepare import main as prepare_main
 from ladle.shards import ShardSet, load_shard, prepare_shards, shard_key
-from ladle.soup import recompute_batch_norm
-from ladle.train import IngredientTask, train_ingredient
 from ladle.views import build_view
 
 METIS_2 = ["view.kind=metis", "epochs=100"]

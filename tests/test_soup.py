@@ -11,9 +11,10 @@ import torch
 from ladle.checkpoints import load_state, save_state
 from ladle.config import load_recipe
 from ladle.errors import LadleError
+from ladle.evaluation import Evaluator, Metrics, average, metrics
 from ladle.launch import train_ingredients
-from ladle.soup import (Evaluator, Metrics, average, greedy_interpolation_soup, greedy_soup, interpolate,
-                        metrics, search_alpha, soup_run, uniform_soup)
+from ladle.soup import soup_run
+from ladle.soups import greedy_interpolation_soup, greedy_soup, interpolate, search_alpha, uniform_soup
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from ladle.config import load_recipe
 from ladle.data import load_dataset
 from ladle.errors import LadleError
 from ladle.models import build_model, graph_inputs
-from ladle.varrate import (COMPRESSORS, HaloExchange, Int8, RandomMask, RateSchedule, Shard, Traffic, Truncate,
+from ladle.varrate import (COMPRESSORS, HaloExchange, Int8, RandomMask, RankData, RateSchedule, Traffic, Truncate,
                            allreduce_gradients, build_plan, exchange_key, free_port, init_group, kept_columns,
                            partition_forward, partition_loss, partition_nodes)
 from ladle.varrate import main as varrate_main
@@ -162,7 +162,7 @@ def _exact_step(rank: int, world: int, data_root: str, out: Path, models: list[s
     data = load_dataset("cora", data_root)
     parts = partition_nodes(data, "metis", world, seed=0)
     for kind in models:
-        shard = Shard.build(data, parts, rank, world, kind)
+        shard = RankData.build(data, parts, rank, world, kind)
         torch.manual_seed(0)
         model = build_model(load_recipe(None, [f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
         exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic())
@@ -177,7 +177,7 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
     """Per-rank bytes of one step on the tiny graph for several compressors and rates; and the custom
     backward of a compressed exchange against autograd through torch's differentiable all_to_all."""
     data, parts = _tiny_graph()
-    shard = Shard.build(data, parts, rank, world, "gcn")
+    shard = RankData.build(data, parts, rank, world, "gcn")
     recipe = load_recipe(None, ["hidden=8", "dropout=0.0"])
     counts: dict[str, list[int]] = {}
     for label, compressor, rate in [("rate1", Truncate(), 1.0), ("truncate4", Truncate(), 4.0),
@@ -320,15 +320,23 @@ def test_cli_rejects_bad_input(data_root: Path) -> None:
     for args, message in [(["model=gat"], "varrate supports gcn/sage"), (["norm=batch"], "norm=none or norm=layer"),
                           (["--rate-min", "8", "--rate-max", "4"], "1 <= --rate-min <= --rate-max"),
                           (["--rate-steps", "64,x"], "comma-separated numbers"),
-                          (["--workers", "3000"], "cannot split 2708 nodes into 3000 workers"),
-                          (["--device", "cuda", "--workers", "64"], "--device cuda")]:
+                          (["--ranks", "3000"], "cannot split 2708 nodes into 3000 workers"),
+                          (["--device", "cuda", "--ranks", "64"], "--device cuda")]:
         with pytest.raises(LadleError, match=message):
             varrate_main(["--data-root", str(data_root), *args])
 
 
+def test_cli_workers_is_a_deprecated_alias_of_ranks(data_root: Path) -> None:
+    with pytest.warns(FutureWarning, match="--workers is deprecated, use --ranks"):
+        with pytest.raises(LadleError, match="cannot split 2708 nodes into 3000 workers"):
+            varrate_main(["--data-root", str(data_root), "--workers", "3000"])
+    with pytest.raises(LadleError, match="pass --ranks only"):
+        varrate_main(["--data-root", str(data_root), "--workers", "2", "--ranks", "2"])
+
+
 def test_cli_run(data_root: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_module("ladle.varrate", "--data-root", str(data_root), "--workers", "2", "--schedule", "step",
+    result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--schedule", "step",
                         "--compress", "int8", "--run-dir", str(run_dir), "epochs=4", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())

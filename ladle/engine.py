@@ -1,0 +1,270 @@
+"""The one-ingredient loop: what one worker does to train one ingredient, and the pieces it shares.
+
+One ingredient is a plain full-batch / mini-batch loop (OGB-example style): Adam, cross-entropy on
+the view's training nodes, validation every epoch, the best-validation weights kept, early stopping
+after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by periodic averaging
+and varrate). Every ``save_every`` epochs its full state is saved, so an interrupted ingredient
+resumes bitwise-identically. The launchers (:mod:`ladle.launch`, :mod:`ladle.ray_backend`) build the
+task list with :func:`ingredient_tasks` and hand each task to :func:`train_ingredient`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch_geometric.data import Data
+from tqdm import tqdm
+
+from ladle.checkpoints import StateDict, load_state, load_state_and_metadata, save_state, write_json
+from ladle.config import Recipe
+from ladle.errors import LadleError
+from ladle.evaluation import Metrics, evaluate
+from ladle.models import GNN, GraphInputs, build_model, graph_inputs
+from ladle.resources import peak_rss_mb
+from ladle.rundir import BASELINE, RunDir, ingredient_name
+from ladle.views import IngredientView, build_view
+
+log = logging.getLogger(__name__)
+
+
+def ingredient_seed(base_seed: int, k: int) -> int:
+    """The seed of ingredient ``k`` of a run seeded ``base_seed`` (the baseline uses k = -1)."""
+    return base_seed * 1_000 + k + 1
+
+
+def check_ingredients(ingredients: int) -> None:
+    """Refuse a number of ingredients below 1 (a user error)."""
+    if ingredients < 1:
+        raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
+
+
+@dataclass
+class BestEpoch:
+    """The best validation so far (accuracy, lower loss breaking ties; the earliest epoch wins a tie)
+    and the epochs since it last improved, for early stopping."""
+
+    best_acc: float = -1.0
+    best_neg_loss: float = 0.0
+    best_epoch: int = -1
+    stale: int = 0
+
+    @property
+    def best_key(self) -> tuple[float, float]:
+        return (self.best_acc, self.best_neg_loss)
+
+    def update(self, epoch: int, val: Metrics, elapsed: int = 1) -> bool:
+        """Record ``epoch``'s validation; True when it is the new best, else ``stale`` grows by ``elapsed``."""
+        if (val.acc, -val.loss) > self.best_key:
+            self.best_acc, self.best_neg_loss, self.best_epoch, self.stale = val.acc, -val.loss, epoch, 0
+            return True
+        self.stale += elapsed
+        return False
+
+    def exhausted(self, patience: int) -> bool:
+        """Whether ``patience`` epochs have passed without improvement."""
+        return self.stale >= patience
+
+
+def batch_loss(logits: Tensor, batch: Data) -> Tensor:
+    """Cross-entropy over the batch's loss nodes, GraphSAINT-weighted when the view gives weights."""
+    mask = batch.loss_mask
+    losses = F.cross_entropy(logits[mask], batch.y[mask], reduction="none")
+    weight = batch.get("loss_weight")
+    return (losses * weight[mask]).sum() if weight is not None else losses.mean()
+
+
+class BatchInputs:
+    """Model inputs of a view's batches: built once for static views (``whole`` itself when the batch is
+    that graph), every batch for sampled views."""
+
+    def __init__(self, view: IngredientView, whole: GraphInputs, model: str, device: torch.device | str) -> None:
+        self.view, self.whole, self.model, self.device = view, whole, model, device
+        self._static: GraphInputs | None = None
+
+    def __call__(self, batch: Data) -> GraphInputs:
+        if not self.view.static:
+            return graph_inputs(batch, self.model).to(self.device)
+        if self._static is None:
+            self._static = (self.whole if batch.num_nodes == self.whole.num_nodes
+                            else graph_inputs(batch, self.model).to(self.device))
+        return self._static
+
+
+def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> None:
+    """One epoch of Adam steps over ``view``'s batches; a non-finite loss raises ``FloatingPointError``."""
+    model.train()
+    for batch in view.batches(epoch):
+        batch_input = inputs(batch)
+        if not bool(batch.loss_mask.any()):
+            continue
+        loss = batch_loss(model(batch_input), batch.to(device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{name}: loss became {loss.item()} at epoch {epoch}; "
+                                     "lower lr or check the features")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@dataclass
+class IngredientTask:
+    """What one worker needs to train one ingredient (or the full-graph baseline when ``k`` is None)."""
+
+    k: int | None
+    num_ingredients: int
+    run_dir: Path
+    init: str  # "shared" | "independent"
+    save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
+
+    @property
+    def name(self) -> str:
+        return BASELINE if self.k is None else ingredient_name(self.k)
+
+    @property
+    def files(self) -> RunDir:
+        return RunDir(self.run_dir)
+
+    @property
+    def progress_path(self) -> Path:
+        return self.files.progress(self.name)
+
+
+def ingredient_tasks(run_dir: Path, ingredients: int, init: str, baseline: bool,
+                     save_every: int = 10) -> list[IngredientTask]:
+    """The tasks of a run: ingredients ``0..K-1``, then the baseline (shared init) when the run has one."""
+    tasks = [IngredientTask(k, ingredients, run_dir, init, save_every) for k in range(ingredients)]
+    if baseline:
+        tasks.append(IngredientTask(None, ingredients, run_dir, "shared", save_every))
+    return tasks
+
+
+@dataclass
+class Progress(BestEpoch):
+    """Where an ingredient's training stands; with the tensors, enough to resume bitwise-identically."""
+
+    next_epoch: int = 0
+    seconds: float = 0.0
+
+
+def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
+                  progress: Progress) -> None:
+    """One atomic file: weights, best weights, optimiser state, RNG state, counters (in the header)."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"best.{k}": v for k, v in best_state.items()}
+    optim = optimizer.state_dict()
+    for index, slots in optim["state"].items():
+        tensors |= {f"optim.{index}.{name}": value for name, value in slots.items()}
+    tensors["rng"] = torch.get_rng_state()
+    header = {"progress": json.dumps(asdict(progress)), "param_groups": json.dumps(optim["param_groups"])}
+    save_state(task.progress_path, tensors, header)
+
+
+def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
+    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, best weights."""
+    tensors, header = load_state_and_metadata(task.progress_path)
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError:
+        raise LadleError(f"{task.progress_path} was written by another architecture; delete it to restart") from None
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
+    torch.set_rng_state(tensors["rng"])
+    best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
+    return Progress(**json.loads(header["progress"])), best_state
+
+
+def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
+                     progress_position: int = 0, device: torch.device | str = "cpu",
+                     part_view: IngredientView | None = None) -> dict[str, Any]:
+    """Train one ingredient to its best-validation weights; write them and their metadata; return it.
+
+    Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
+    this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
+    ``part_view``: the view of a part shard (:mod:`ladle.shards`), ``data`` being that part alone;
+    the val/test metrics in the JSON are then the part's own (``"metrics_on": "part"``).
+    """
+    start = time.perf_counter()
+    files = task.files
+    k = -1 if task.k is None else task.k
+    seed = ingredient_seed(recipe.seed, k)
+    view_config = recipe.view if task.k is not None else type(recipe.view)(kind="full")
+    if part_view is not None:
+        view = part_view
+    else:
+        partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
+        view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
+                          recipe.seed, partition)
+    torch.manual_seed(seed if task.init == "independent" else recipe.seed)
+    model = build_model(recipe, data.num_features, data.num_classes)
+    if task.init == "shared":
+        model.load_state_dict(load_state(files.init))
+    torch.manual_seed(seed)
+    model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    if task.progress_path.exists():
+        progress, best_state = load_progress(task, model, optimizer)
+        log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
+    else:
+        progress, best_state = Progress(), copy.deepcopy(model.state_dict())
+
+    if full_inputs is None:
+        full_inputs = graph_inputs(data, recipe.model)
+    full_inputs = full_inputs.to(device)
+    eval_graph = view.eval_graph()
+    eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(
+        eval_graph, recipe.model).to(device)
+    batch_inputs = BatchInputs(view, eval_inputs, recipe.model, device)
+
+    bar = tqdm(total=recipe.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
+               leave=False, dynamic_ncols=True, disable=None)
+    for epoch in range(progress.next_epoch, recipe.epochs):
+        if progress.exhausted(recipe.patience):
+            break
+        try:
+            train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
+        except FloatingPointError:
+            bar.close()
+            raise
+        val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
+        if progress.update(epoch, val):
+            best_state = copy.deepcopy(model.state_dict())
+        progress.next_epoch = epoch + 1
+        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < recipe.epochs:
+            save_progress(task, model, optimizer, best_state,
+                          replace(progress, seconds=progress.seconds + time.perf_counter() - start))
+        bar.update(1)
+        bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
+    bar.close()
+
+    model.load_state_dict(best_state)
+    val = evaluate(model, full_inputs, data.y.to(device), data.val_mask.to(device))
+    test = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
+    save_state(files.weights(task.name), model.state_dict())
+    meta = {
+        "name": task.name, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
+        "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
+        "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
+        "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
+        "metrics_on": "graph" if part_view is None else "part",
+        "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
+        "pid": os.getpid(), "threads": torch.get_num_threads(),
+        "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
+        "status": "done",
+    }
+    write_json(files.meta(task.name), meta)
+    task.progress_path.unlink(missing_ok=True)
+    return meta

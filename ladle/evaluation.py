@@ -1,0 +1,165 @@
+"""Scoring weights: accuracy and cross-entropy, the soups' :class:`Evaluator`, batch-norm recomputation,
+the mean of state dicts, and :class:`SoupResult`, what every soup method returns."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import Data
+from torch_geometric.utils import k_hop_subgraph
+
+from ladle.checkpoints import StateDict
+from ladle.config import Recipe
+from ladle.inference import LayerwiseInference
+from ladle.models import GNN, GraphInputs, adjacency, build_model, use_sparse_features
+from ladle.sparse import SparseMatrix, select
+
+Score = tuple[float, ...]
+Scorer = Callable[[StateDict], "Metrics"]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Accuracy and mean cross-entropy of one model on one node set."""
+
+    acc: float
+    loss: float
+
+    def key(self, metric: str) -> Score:
+        """What soups maximise: ``acc``, ``-loss``, or accuracy with loss as the tie-break."""
+        if metric == "acc":
+            return (self.acc,)
+        if metric == "loss":
+            return (-self.loss,)
+        return (self.acc, -self.loss)
+
+
+def metrics(logits: Tensor, y: Tensor) -> Metrics:
+    """Accuracy and mean cross-entropy."""
+    return Metrics((logits.argmax(-1) == y).float().mean().item(), F.cross_entropy(logits, y).item())
+
+
+def metric_sums(logits: Tensor, y: Tensor) -> tuple[float, float]:
+    """Correct predictions and summed cross-entropy: :func:`metrics` before the division, to add over
+    batches or ranks first."""
+    return float((logits.argmax(-1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum"))
+
+
+@torch.no_grad()
+def evaluate(model: GNN, inputs: GraphInputs, y: Tensor, mask: Tensor) -> Metrics:
+    """:func:`metrics` of ``model`` (eval mode) on the nodes in ``mask``; an empty mask scores (0, inf)."""
+    model.eval()
+    logits = model(inputs)[mask]
+    target = y[mask]
+    if target.numel() == 0:
+        return Metrics(0.0, float("inf"))
+    return metrics(logits, target)
+
+
+def average(states: Sequence[StateDict], weights: Sequence[float] | None = None) -> StateDict:
+    """Weighted mean of state dicts (uniform when ``weights`` is None); integer buffers from the first."""
+    weights = [1.0 / len(states)] * len(states) if weights is None else list(weights)
+    merged: StateDict = {}
+    for key, first in states[0].items():
+        if first.is_floating_point():
+            merged[key] = sum(w * s[key] for w, s in zip(weights, states))  # type: ignore[assignment]
+        else:
+            merged[key] = first.clone()
+    return merged
+
+
+@dataclass
+class SoupResult:
+    """A merged model and how it was chosen."""
+
+    method: str
+    state: StateDict
+    evaluations: int
+    kept: list[int] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)
+    curves: list[list[tuple[float, float, float]]] = field(default_factory=list)  # (alpha, acc, loss) per step
+    seconds: float = 0.0
+
+    def report_fields(self) -> dict[str, Any]:
+        """Method-specific entries of the soup's report row (none here; subclasses add theirs)."""
+        return {}
+
+
+@torch.no_grad()
+def recompute_batch_norm(model: nn.Module, inputs: GraphInputs) -> None:
+    """Reset batch-norm running statistics and re-estimate them in one forward pass (dropout off)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # cumulative average: one pass gives the exact batch statistics
+    model.eval()
+    for norm in norms:
+        norm.train()
+    model(inputs)
+    model.eval()
+
+
+class Evaluator:
+    """Scores weights of one architecture on a graph's splits, cheaply.
+
+    Validation needs only the L-hop neighbourhood of the validation nodes: that sub-graph (with the
+    full graph's normalisation) is built once and every candidate is scored on it, exactly. Whole
+    splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at scale.
+    """
+
+    def __init__(self, recipe: Recipe, data: Data) -> None:
+        self.recipe, self.data = recipe, data
+        self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
+        self.sparse_features = use_sparse_features(data.x, recipe.model)
+        self.full_adj = adjacency(data.edge_index, data.num_nodes, recipe.model)
+        self.inference = LayerwiseInference.from_data(data)
+        self.val = self._neighbourhood(data.val_mask)
+        self.train_hood = self._neighbourhood(data.train_mask) if self.model.has_batch_norm() else None
+
+    def _neighbourhood(self, mask: Tensor) -> tuple[GraphInputs, Tensor, Tensor]:
+        """Inputs of the L-hop sub-graph around ``mask``'s nodes, their labels, and where they are."""
+        seeds = mask.nonzero().view(-1)
+        nodes, edge_index, mapping, _ = k_hop_subgraph(seeds, self.recipe.layers, self.data.edge_index,
+                                                       relabel_nodes=True, num_nodes=self.data.num_nodes)
+        x = self.data.x[nodes]
+        features = SparseMatrix.from_dense(x) if self.sparse_features else x
+        adj = edge_index if isinstance(self.full_adj, Tensor) else select(self.full_adj, nodes)
+        return GraphInputs(features, adj, nodes.numel()), self.data.y[seeds], mapping
+
+    @torch.no_grad()
+    def full_logits(self, state: StateDict, recompute_bn: bool = True) -> Tensor:
+        """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
+        return self.inference.logits(self.load(state, recompute_bn))
+
+    def load(self, state: StateDict, recompute_bn: bool = True) -> GNN:
+        """The model holding ``state``; batch-norm statistics recomputed on the training neighbourhood."""
+        self.model.load_state_dict(state)
+        if recompute_bn and self.train_hood is not None:
+            recompute_batch_norm(self.model, self.train_hood[0])
+        return self.model
+
+    @torch.no_grad()
+    def logits(self, state: StateDict, inputs: GraphInputs, recompute_bn: bool = True) -> Tensor:
+        model = self.load(state, recompute_bn)
+        model.eval()
+        return model(inputs)
+
+    def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
+        """Validation accuracy and loss of ``state`` (on the validation neighbourhood)."""
+        inputs, y, where = self.val
+        return metrics(self.logits(state, inputs, recompute_bn)[where], y)
+
+    def split(self, state: StateDict, mask_name: str, recompute_bn: bool = True) -> Metrics:
+        """Accuracy and loss of ``state`` on a whole split of the full graph."""
+        mask = self.data[mask_name]
+        return metrics(self.full_logits(state, recompute_bn)[mask], self.data.y[mask])
+
+    def split_metrics(self, logits: Tensor) -> dict[str, float]:
+        """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures)."""
+        val = metrics(logits[self.data.val_mask], self.data.y[self.data.val_mask])
+        test = metrics(logits[self.data.test_mask], self.data.y[self.data.test_mask])
+        return {"val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc}

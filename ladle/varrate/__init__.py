@@ -1,0 +1,42 @@
+"""``python -m ladle.varrate``: partition-parallel training whose workers talk, compressed at a variable rate.
+
+The comparison to ladle's zero-communication soups, after Cervino et al. (2024), *Distributed training
+of large GNNs with variable communication rates* (VARCO). Each of K ranks owns one part of a METIS or
+random partition. At every layer ``H' = Â (H W) + b`` a rank projects its own rows (``Z = H W``), sends
+its peers the rows of ``Z`` they aggregate from (its boundary nodes), compressed with ratio ``r_t``,
+receives theirs (its halo), and aggregates with its rows of the full-graph ``Â``. Exchanging after the
+projection sends ``hidden`` columns instead of the raw features (8,415 on Coauthor Physics). The
+feature gradients of the halo rows travel back the same way; parameter gradients are all-reduced so
+every rank holds one model, whose state dict is ladle's :class:`~ladle.models.GNN`.
+
+``r_t`` follows a schedule, heavy compression early and light late (``linear``, ``step``), or is fixed;
+``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo). Every
+byte a rank puts on the wire is counted: forward halo, backward halo and the gradient all-reduce
+(each rank's gradient once, ``K x model size`` a step, the unit of the soup's final gather of K
+models). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
+for halos, ``all_reduce`` for gradients and metrics.
+
+Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,
+exchange, byte accounting), :mod:`~ladle.varrate.engine` (one rank's model and loop),
+:mod:`~ladle.varrate.ranks` (process group, spawned or torchrun ranks), :mod:`~ladle.varrate.cli`.
+The report (accuracy against bytes) is written by :func:`ladle.report.write_bytes_report`.
+"""
+from __future__ import annotations
+
+from ladle.varrate.cli import build_parser, main
+from ladle.varrate.compression import (COMPRESSORS, SCHEDULES, Compressor, Int8, RandomMask, RateSchedule, Truncate,
+                                       build_compressor, kept_columns)
+from ladle.varrate.engine import (SUPPORTED_MODELS, RankData, VarrateOptions, allreduce_gradients, check_model,
+                                  partition_forward, partition_loss, train_partition)
+from ladle.varrate.halo import (HaloExchange, HaloPlan, PeerFailure, Traffic, build_plan, collective, exchange_key,
+                                partition_nodes)
+from ladle.varrate.ranks import (check_inputs, free_port, init_group, load_rank_data, rank_device, run_rank,
+                                 run_spawned, run_torchrun)
+
+__all__ = [
+    "COMPRESSORS", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "HaloExchange", "HaloPlan", "Int8", "PeerFailure",
+    "RandomMask", "RankData", "RateSchedule", "Traffic", "Truncate", "VarrateOptions", "allreduce_gradients",
+    "build_compressor", "build_parser", "build_plan", "check_inputs", "check_model", "collective", "exchange_key",
+    "free_port", "init_group", "kept_columns", "load_rank_data", "main", "partition_forward", "partition_loss",
+    "partition_nodes", "rank_device", "run_rank", "run_spawned", "run_torchrun", "train_partition",
+]

@@ -1,0 +1,194 @@
+"""Varrate's compression: operators that shrink the rows a rank sends, and the ratio schedule over training."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ladle.errors import LadleError
+
+SCHEDULES = ("full", "fixed", "linear", "step", "none")
+
+
+def kept_columns(width: int, rate: float) -> int:
+    """Columns a payload of ``width``-wide rows keeps at ratio ``rate``: ``int(width / rate)``, at least 1."""
+    return max(1, min(width, int(width / rate)))
+
+
+class Compressor(ABC):
+    """Rows of width ``d`` at ratio ``r`` -> a smaller payload the receiver decodes back to width ``d``.
+
+    Encoding and decoding are pure functions of ``(rows, rate, key)``: both ends of an exchange derive
+    the same choices from the shared ``key``. At ``rate <= 1`` every compressor is lossless.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def payload_columns(self, width: int, rate: float) -> int:
+        """Columns of the payload of one row (its dtype is the one :meth:`encode` returns)."""
+
+    @abstractmethod
+    def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
+        """The payload of ``rows`` (one payload row per input row)."""
+
+    @abstractmethod
+    def decode(self, payload: Tensor, width: int, rate: float, key: int) -> Tensor:
+        """Float rows of width ``width`` from a payload :meth:`encode` made with the same ``rate``, ``key``."""
+
+
+class Truncate(Compressor):
+    """The authors' scheme: send the first ``int(d / r)`` columns; the receiver pads the rest with zeros.
+
+    A linear projection ``P``, so the backward pass (which sends ``P^T g``, the same columns of the
+    gradient) gives the exact gradient of the compressed forward.
+    """
+
+    name = "truncate"
+
+    def payload_columns(self, width: int, rate: float) -> int:
+        return kept_columns(width, rate)
+
+    def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
+        return rows[:, : kept_columns(rows.size(1), rate)]
+
+    def decode(self, payload: Tensor, width: int, rate: float, key: int) -> Tensor:
+        return F.pad(payload, (0, width - payload.size(1)))
+
+
+class RandomMask(Compressor):
+    """Send ``int(d / r)`` random columns, the same for every row and both ends (drawn from ``key``).
+
+    The receiver scatters them back scaled by ``d / kept``, so the halo is unbiased over keys; like
+    :class:`Truncate` it is linear and its backward is the exact gradient.
+    """
+
+    name = "mask"
+
+    def payload_columns(self, width: int, rate: float) -> int:
+        return kept_columns(width, rate)
+
+    @staticmethod
+    def columns(width: int, rate: float, key: int) -> Tensor:
+        """The sorted column ids kept at ``(width, rate, key)``."""
+        kept = kept_columns(width, rate)
+        if kept == width:
+            return torch.arange(width)
+        generator = torch.Generator().manual_seed(key)
+        return torch.randperm(width, generator=generator)[:kept].sort().values
+
+    def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
+        if kept_columns(rows.size(1), rate) == rows.size(1):
+            return rows
+        return rows[:, self.columns(rows.size(1), rate, key).to(rows.device)]
+
+    def decode(self, payload: Tensor, width: int, rate: float, key: int) -> Tensor:
+        if payload.size(1) == width:
+            return payload
+        out = payload.new_zeros(payload.size(0), width)
+        out[:, self.columns(width, rate, key).to(payload.device)] = payload * (width / payload.size(1))
+        return out
+
+
+class Int8(Compressor):
+    """Per-row absmax int8 quantisation (plus a float32 scale per row) of the first ``int(4d / r)`` columns.
+
+    Four int8 values cost one float32, so at ``r >= 4`` the payload is as large as :class:`Truncate`'s
+    and carries 4x the columns at lower precision; ``1 < r < 4`` sends all ``d`` columns in int8.
+    The rounding has no gradient: the backward pass quantises the gradient the same way
+    (straight-through). Payload rows are bytes: ``kept`` int8 values then the 4 bytes of the scale.
+    """
+
+    name = "int8"
+
+    @staticmethod
+    def kept(width: int, rate: float) -> int:
+        """Quantised columns at ``(width, rate)``."""
+        return kept_columns(width, rate / 4)
+
+    def payload_columns(self, width: int, rate: float) -> int:
+        return width if rate <= 1 else self.kept(width, rate) + 4
+
+    def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
+        if rate <= 1:
+            return rows
+        columns = rows[:, : self.kept(rows.size(1), rate)]
+        scale = (columns.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny).float()
+        quantised = torch.round(columns / scale).to(torch.int8)
+        return torch.cat([quantised.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+
+    def decode(self, payload: Tensor, width: int, rate: float, key: int) -> Tensor:
+        if rate <= 1:
+            return payload
+        kept = payload.size(1) - 4
+        scale = payload[:, kept:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # fresh storage: aligned
+        values = payload[:, :kept].contiguous().view(torch.int8).float() * scale
+        return F.pad(values, (0, width - kept))
+
+
+COMPRESSORS: dict[str, type[Compressor]] = {c.name: c for c in (Truncate, RandomMask, Int8)}
+
+
+def build_compressor(name: str) -> Compressor:
+    """The compressor called ``name`` (``truncate``, ``mask`` or ``int8``)."""
+    if name not in COMPRESSORS:
+        raise LadleError(f"unknown compressor {name!r} (one of: {', '.join(COMPRESSORS)})")
+    return COMPRESSORS[name]()
+
+
+
+@dataclass(frozen=True)
+class RateSchedule:
+    """The compression ratio ``r_t`` of each epoch; ``None`` means no exchange at all (``none``).
+
+    ``full``: 1. ``fixed``: ``rate_max`` throughout. ``linear``: from ``rate_max`` at epoch 0 to
+    ``rate_min`` after ``fraction`` of the epochs, then ``rate_min``. ``step``: the ``steps`` ratios in
+    turn, each for an equal share of that ``fraction``, the last one to the end (default: four
+    geometric steps from ``rate_max`` to ``rate_min``, e.g. 64, 16, 4, 1).
+    """
+
+    kind: str = "linear"
+    rate_max: float = 64.0
+    rate_min: float = 1.0
+    fraction: float = 1.0
+    steps: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise LadleError(f"--schedule must be one of {', '.join(SCHEDULES)}; got {self.kind!r}")
+        if not 1 <= self.rate_min <= self.rate_max:
+            raise LadleError(f"rates must satisfy 1 <= --rate-min <= --rate-max; got {self.rate_min}, {self.rate_max}")
+        if not 0 < self.fraction <= 1:
+            raise LadleError(f"--rate-fraction must be in (0, 1]; got {self.fraction}")
+        if any(rate < 1 for rate in self.steps):
+            raise LadleError(f"--rate-steps must all be >= 1; got {list(self.steps)}")
+
+    def levels(self) -> tuple[float, ...]:
+        """The plateaus of the ``step`` schedule."""
+        if self.steps:
+            return self.steps
+        ratio = self.rate_min / self.rate_max
+        return tuple(self.rate_max * ratio ** (i / 3) for i in range(4))
+
+    def rate(self, epoch: int, epochs: int) -> float | None:
+        """The ratio of ``epoch`` (0-based) of ``epochs``."""
+        if self.kind == "none":
+            return None
+        if self.kind == "full":
+            return 1.0
+        if self.kind == "fixed":
+            return self.rate_max
+        progress = min(1.0, epoch / max(1.0, self.fraction * epochs))
+        if self.kind == "linear":
+            return self.rate_max + (self.rate_min - self.rate_max) * progress
+        levels = self.levels()
+        return levels[min(len(levels) - 1, int(progress * len(levels)))]
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able settings."""
+        return {**asdict(self), "steps": list(self.levels()) if self.kind == "step" else []}
+

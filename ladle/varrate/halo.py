@@ -1,0 +1,198 @@
+"""Varrate's halo exchange: which rows each rank owns, sends and receives (:class:`HaloPlan`), the
+partition it comes from, and the differentiable, compressed, byte-counted exchange itself."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch_geometric.data import Data
+
+from ladle.errors import LadleError
+from ladle.models import adjacency
+from ladle.sparse import SparseMatrix
+from ladle.varrate.compression import Compressor
+from ladle.views import PARTITION_KINDS, ViewConfig, build_view
+
+
+@dataclass(eq=False)
+class HaloPlan:
+    """What rank ``rank`` of ``world`` owns, sends and receives at every layer.
+
+    Local rows are the owned nodes (sorted global ids) followed by the halo, grouped by owner rank in
+    rank order: exactly the layout ``all_to_all_single`` returns. ``send_index`` lists the local rows
+    each peer needs, grouped by peer in rank order and sorted by global id within a peer, which is
+    the order that peer expects them in.
+    """
+
+    rank: int
+    world: int
+    owned: Tensor
+    halo: Tensor
+    send_index: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    adj: SparseMatrix  # owned rows x (owned + halo) columns of the full graph's normalised adjacency
+    induced_adj: SparseMatrix  # the owned nodes' own subgraph, normalised on its own (schedule ``none``)
+
+    def to(self, device: torch.device | str) -> HaloPlan:
+        """The same plan with its tensors on ``device``."""
+        return HaloPlan(self.rank, self.world, self.owned, self.halo, self.send_index.to(device), self.send_counts,
+                        self.recv_counts, self.adj.to(device), self.induced_adj.to(device))
+
+    def describe(self) -> dict[str, int]:
+        """Sizes: owned nodes, halo rows received and boundary rows sent per layer."""
+        return {"owned": int(self.owned.numel()), "halo": int(self.halo.numel()),
+                "sent": int(self.send_index.numel())}
+
+
+def build_plan(edge_index: Tensor, num_nodes: int, parts: Tensor, rank: int, world: int, model: str) -> HaloPlan:
+    """The halo plan of ``rank`` from the whole graph and the part id of every node.
+
+    A node ``v`` owned by ``p`` is in the halo of ``q != p`` when some node of ``q`` aggregates from it
+    (a non-zero ``Â[u, v]`` with ``u`` in ``q``). Every rank computes the same table of such pairs, so
+    its sends and its peers' receives agree without a handshake.
+    """
+    full = adjacency(edge_index, num_nodes, model)
+    assert isinstance(full, SparseMatrix)
+    crow = full.csr.crow_indices()
+    row = torch.repeat_interleave(torch.arange(num_nodes), crow[1:] - crow[:-1])
+    col, value = full.csr.col_indices(), full.csr.values()
+    cross = parts[row] != parts[col]
+    # (needing part, node) pairs, unique, ordered by (owner, node) within each needing part
+    needing, node = parts[row[cross]], col[cross]
+    pairs = torch.unique(needing * num_nodes + node)
+    needing, node = pairs // num_nodes, pairs % num_nodes
+    owner = parts[node]
+
+    owned = (parts == rank).nonzero().view(-1)
+    mine = needing == rank
+    incoming = node[mine][torch.argsort(owner[mine] * num_nodes + node[mine])]
+    recv_counts = torch.bincount(parts[incoming], minlength=world).tolist()
+    position = torch.full((num_nodes,), -1, dtype=torch.long)
+    position[owned] = torch.arange(owned.numel())
+    outgoing = owner == rank  # pairs already sorted by (needing part, node)
+    send_index = position[node[outgoing]]
+    send_counts = torch.bincount(needing[outgoing], minlength=world).tolist()
+    position[incoming] = owned.numel() + torch.arange(incoming.numel())
+
+    local_rows = parts[row] == rank
+    adj = SparseMatrix(position[row[local_rows]], position[col[local_rows]], value[local_rows],
+                       (owned.numel(), owned.numel() + incoming.numel()))
+    src, dst = edge_index
+    inside = (parts[src] == rank) & (parts[dst] == rank)
+    induced = torch.stack([position[src[inside]], position[dst[inside]]])
+    induced_adj = adjacency(induced, owned.numel(), model)
+    assert isinstance(induced_adj, SparseMatrix)
+    return HaloPlan(rank, world, owned, incoming, send_index, send_counts, recv_counts, adj, induced_adj)
+
+
+def partition_nodes(data: Data, kind: str, parts: int, seed: int) -> Tensor:
+    """The part id of every node: the same METIS / random partition the soup's ``view.kind`` uses."""
+    if kind not in PARTITION_KINDS:
+        raise LadleError(f"--partition must be one of {', '.join(PARTITION_KINDS)}; got {kind!r}")
+    try:
+        view = build_view(data, ViewConfig(kind=kind), 0, parts, seed)
+    except ValueError as error:
+        raise LadleError(f"--partition {kind} with {parts} workers: {error}") from None
+    return view.parts  # type: ignore[attr-defined]
+
+
+
+class PeerFailure(RuntimeError):
+    """Another rank died or stalled: a collective failed or timed out."""
+
+
+@contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn a failed collective (gloo/NCCL raise RuntimeError when a peer closes its connection or the
+    group's timeout passes) into a :class:`PeerFailure` that says which one."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise PeerFailure(f"{what} failed: {_first_line(error)}") from None
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent, by purpose (payload bytes; a peer's own rows are never sent)."""
+
+    forward_halo: int = 0
+    backward_halo: int = 0
+    allreduce: int = 0
+    eval_halo: int = 0
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("forward_halo", "backward_halo", "allreduce", "eval_halo")
+
+    def values(self) -> list[int]:
+        """The counters in :attr:`FIELDS` order."""
+        return [getattr(self, name) for name in self.FIELDS]
+
+
+def exchange_key(seed: int, step: int, layer: int) -> int:
+    """The shared random key of one layer's exchange in one step (the same on every rank)."""
+    return int(np.random.SeedSequence([seed, step, layer]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+@dataclass(eq=False)
+class HaloExchange:
+    """One step's halo exchanges: which plan, compressor and ratio, and where to count the bytes.
+
+    ``evaluating`` exchanges count as ``eval_halo`` (they have no backward).
+    """
+
+    plan: HaloPlan
+    compressor: Compressor
+    rate: float
+    seed: int
+    step: int
+    traffic: Traffic
+    evaluating: bool = False
+
+    def __call__(self, rows: Tensor, layer: int) -> Tensor:
+        """The halo rows of layer ``layer`` given this rank's rows (differentiable)."""
+        return _HaloFunction.apply(rows, self, layer)
+
+    def transfer(self, rows: Tensor, layer: int, send_counts: list[int], recv_counts: list[int]) -> tuple[Tensor, int]:
+        """Compress ``rows`` (grouped by peer, ``send_counts`` each), swap, decompress; return (rows, bytes sent)."""
+        key = exchange_key(self.seed, self.step, layer)
+        payload = self.compressor.encode(rows, self.rate, key).contiguous()
+        received = payload.new_empty((sum(recv_counts), self.compressor.payload_columns(rows.size(1), self.rate)))
+        with collective(f"halo exchange of layer {layer}"):
+            dist.all_to_all_single(received, payload, recv_counts, send_counts)
+        return self.compressor.decode(received, rows.size(1), self.rate, key), payload.numel() * payload.element_size()
+
+
+class _HaloFunction(torch.autograd.Function):
+    """Forward: send the boundary rows, receive the halo. Backward: send the halo's gradients back to
+    their owners, who add them to the rows they sent (same compressor, same key)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, exchange: HaloExchange, layer: int) -> Tensor:  # type: ignore[override]
+        plan = exchange.plan
+        ctx.exchange, ctx.layer, ctx.num_rows = exchange, layer, rows.size(0)
+        halo, sent = exchange.transfer(rows[plan.send_index], layer, plan.send_counts, plan.recv_counts)
+        if exchange.evaluating:
+            exchange.traffic.eval_halo += sent
+        else:
+            exchange.traffic.forward_halo += sent
+        return halo
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        exchange: HaloExchange = ctx.exchange
+        plan = exchange.plan
+        back, sent = exchange.transfer(grad.contiguous(), ctx.layer, plan.recv_counts, plan.send_counts)
+        exchange.traffic.backward_halo += sent
+        rows = grad.new_zeros(ctx.num_rows, grad.size(1)).index_add_(0, plan.send_index, back)
+        return rows, None, None
+
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
