@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.data import load_dataset, per_class_split, resolve_data_root, synthetic_graph
+from ladle.data import load_dataset, resolve_data_root
+from ladle.splits import per_class_split
+from ladle.synthetic import synthetic_graph
 from ladle.errors import LadleError
 
 
