@@ -23,12 +23,23 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+def under_ci() -> bool:
+    """Whether a CI system runs the suite (``CI=true``, as GitHub, GitLab and most others set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
 @pytest.fixture(scope="session")
 def data_root() -> Path:
-    """The shared dataset folder (read-only); ladle stages what it needs into its own cache."""
+    """The shared dataset folder (read-only); ladle stages what it needs into its own cache.
+
+    Without it a dataset test skips locally, but fails under CI: a green CI run must have tested on data.
+    """
     root = Path(os.environ.get("LADLE_DATA", SHARED_DATASETS))
     if not (root / "Cora").is_dir():
-        pytest.skip(f"datasets not found under {root}")
+        message = f"datasets not found under {root} (looked for {root / 'Cora'}; set LADLE_DATA to the dataset root)"
+        if under_ci():
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
     return root
 
 

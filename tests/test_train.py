@@ -54,7 +54,7 @@ def test_same_seed_gives_bitwise_identical_weights(cora_data, tmp_path: Path) ->
 
 
 def test_ingredients_run_in_separate_processes_without_process_group(data_root: Path, tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["view.kind=metis", "epochs=5"])
+    recipe = load_recipe(None, ["view.kind=metis", "epochs=5", "lr=1e-6"])  # too small to move a weight by 1e-4
     run = train_ingredients(recipe, ingredients=3, workers=2, run_dir=tmp_path / "run", data_root=data_root,
                             baseline=True)
     assert [m["name"] for m in run.ingredients] == ["ingredient-00", "ingredient-01", "ingredient-02"]
@@ -63,7 +63,14 @@ def test_ingredients_run_in_separate_processes_without_process_group(data_root: 
     assert os.getpid() not in pids and len(pids) <= 2
     assert not any(m["process_group"] for m in run.ingredients)
     assert all(m["threads"] == 1 for m in run.ingredients)
-    # shared init: every ingredient started from init.safetensors, and the parts are disjoint
+    # shared init: every ingredient and the baseline start from init.safetensors (independent draws differ
+    # by more than 0.01: test_train_cli.py), and the parts are disjoint
+    init = load_state(tmp_path / "run" / "init.safetensors")
+    for meta in run.ingredients + [run.baseline]:
+        assert meta["init"] == "shared"
+        state = load_state(tmp_path / "run" / f"{meta['name']}.safetensors")
+        assert state.keys() == init.keys()
+        assert max(float((state[k] - init[k]).abs().max()) for k in init if init[k].is_floating_point()) < 1e-4
     nodes = [m["view"]["nodes"] for m in run.ingredients]
     assert sum(nodes) == 2708
     run_json = json.loads((tmp_path / "run" / "run.json").read_text())

@@ -342,3 +342,27 @@ def test_cli_run(data_root: Path, tmp_path: Path) -> None:
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert [row["rate"] for row in meta["history"]] == pytest.approx([64, 16, 4, 1])
     assert meta["launcher"] == "local" and "test acc" in result.stdout
+
+
+def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
+    """``--partition random`` splits the nodes as the soup's random view does (and cuts far more edges than
+    METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` halfway; each epoch's halo bytes follow its rate."""
+    run_dir = tmp_path / "run"
+    result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
+                        "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--run-dir",
+                        str(run_dir), "epochs=4", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = json.loads((run_dir / "varrate.json").read_text())
+    assert meta["partition"] == "random" and meta["schedule"]["fraction"] == 0.5
+    assert [row["rate"] for row in meta["history"]] == pytest.approx([8, 4.5, 1, 1])  # 8 -> 1 over 2 of 4 epochs
+    parts = partition_nodes(cora_data, "random", 2, seed=0)
+    metis = partition_nodes(cora_data, "metis", 2, seed=0)
+    for rank, row in enumerate(meta["ranks"]):
+        plan = build_plan(cora_data.edge_index, cora_data.num_nodes, parts, rank, 2, "gcn")
+        assert (row["owned"], row["halo"], row["sent"]) == (plan.owned.numel(), plan.halo.numel(),
+                                                             plan.send_index.numel())
+        assert row["halo"] > 2 * build_plan(cora_data.edge_index, cora_data.num_nodes, metis, rank, 2, "gcn").halo.numel()
+    rows = sum(row["sent"] for row in meta["ranks"])  # boundary rows sent per layer, all ranks
+    hidden, classes = meta["recipe"]["hidden"], cora_data.num_classes
+    for row in meta["history"]:  # truncation: int(width / rate) float32 columns a row, per layer
+        assert row["forward_halo"] == rows * 4 * (kept_columns(hidden, row["rate"]) + kept_columns(classes, row["rate"]))
