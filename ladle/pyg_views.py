@@ -89,12 +89,12 @@ class PyGView:
     """A ladle view whose training batches one of PyG's loaders draws; the rest is the ladle view's."""
 
     static = False
+    loader: Iterable[Data]  # set by each subclass
 
     def __init__(self, base: IngredientView) -> None:
         self.base = base
         self.kind, self.k, self.num_ingredients = base.kind, base.k, base.num_ingredients
         self.config, self.seed, self.data, self.num_classes = base.config, base.seed, base.data, base.num_classes
-        self.loader: Iterable[Data] = ()
 
     @property
     def adj(self) -> Any:

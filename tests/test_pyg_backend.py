@@ -116,25 +116,50 @@ def test_pyg_saint_draws_like_ladle(cora: Data, kind: str) -> None:
 
 @needs_sparse
 @pytest.mark.xfail(strict=True, reason="by design: PyG's GraphSAINTEdgeSampler draws directed edges with "
-                   "replacement, weighted deg(u) + deg(v) (it inverts 1/deg twice); ladle draws undirected "
-                   "edges without replacement, weighted 1/deg(u) + 1/deg(v)")
+                   "replacement, weighted deg(u) + deg(v) (it inverts 1/deg twice), where ladle draws undirected "
+                   "edges without replacement, weighted 1/deg(u) + 1/deg(v); measured on Cora: 416 vs 598 "
+                   "nodes a batch (0.70x) for the same edge budget")
 def test_pyg_saint_edge_draws_like_ladle(cora: Data) -> None:
     ladle, pyg = (batch_stats(view, epochs=5) for view in views(cora, "saint-edge", sample_coverage=5))
     assert close(pyg["nodes"], ladle["nodes"], 0.05), (ladle, pyg)
 
 
-@needs_sparse
-@pytest.mark.parametrize("kind", SAINT_KINDS)
-def test_pyg_saint_normalisation_is_unbiased_like_ladle(cora: Data, kind: str) -> None:
-    """The weighted loss of a per-node 'loss' ~ its train mean under both backends' loss weights."""
+@pytest.fixture(scope="module", params=SAINT_KINDS)
+def saint_estimates(request: pytest.FixtureRequest, cora: Data) -> dict[str, dict[str, float]]:
+    """Per backend, over 200 batches, two GraphSAINT estimates divided by their exact values.
+
+    ``loss``: the weighted loss of a per-node 'loss' (the degree, which hub-preferring samplers would
+    bias) against its train mean; ``aggregation``: the ``edge_weight``-weighted in-edges of the batch
+    nodes, scaled by their loss weights, against the number of edges.
+    """
     degree = torch.bincount(cora.edge_index[1], minlength=cora.num_nodes).double()
-    target = float(degree[cora.train_mask].mean())
+    num_train = int(cora.train_mask.sum())
     estimates = {}
-    for view in views(cora, kind, steps_per_epoch=100, sample_coverage=100):
-        weighted = [float((degree[b.n_id] * b.loss_weight.double())[b.loss_mask].sum())
-                    for epoch in range(2) for b in view.batches(epoch)]
-        estimates[type(view).__name__] = statistics.mean(weighted) / target
-    assert all(close(ratio, 1.0, 0.08) for ratio in estimates.values()), estimates
+    for view in views(cora, request.param, steps_per_epoch=100, sample_coverage=100):
+        batches = [b for epoch in range(2) for b in view.batches(epoch)]
+        loss = [float((degree[b.n_id] * b.loss_weight.double())[b.loss_mask].sum()) for b in batches]
+        aggregated = [float((b.edge_weight.double() * b.loss_weight.double()[b.edge_index[1]]).sum()) * num_train
+                      for b in batches]
+        estimates["pyg" if isinstance(view, PyGView) else "ladle"] = {
+            "loss": statistics.mean(loss) / float(degree[cora.train_mask].mean()),
+            "aggregation": statistics.mean(aggregated) / cora.num_edges}
+    return estimates
+
+
+@needs_sparse
+def test_pyg_saint_loss_normalisation_is_unbiased_like_ladle(saint_estimates: dict) -> None:
+    assert all(close(e["loss"], 1.0, 0.08) for e in saint_estimates.values()), saint_estimates
+
+
+@needs_sparse
+@pytest.mark.xfail(strict=True, reason="by design: PyG's edge_norm is C_u / C_uv, the count of the source u "
+                   "(ladle and the paper divide by the aggregating node v's), and pairs never pre-sampled "
+                   "get 1e4; measured on Cora, its aggregation estimate is 2.5x (node), 1.4x (rw) and 68x "
+                   "(edge sampler) the edge count, ladle's within 7%; trained 30 epochs, PyG's saint-node and "
+                   "saint-edge Cora ingredients reached 73.8% and 66.4% test accuracy, ladle's 80.8% and 82.1%")
+def test_pyg_saint_edge_normalisation_is_unbiased_like_ladle(saint_estimates: dict) -> None:
+    assert close(saint_estimates["ladle"]["aggregation"], 1.0, 0.1), saint_estimates
+    assert close(saint_estimates["pyg"]["aggregation"], 1.0, 0.1), saint_estimates
 
 
 @needs_sparse
