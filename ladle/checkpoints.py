@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,11 +28,16 @@ StateDict = dict[str, Tensor]
 
 @contextmanager
 def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Write ``path`` through a temp file in its folder, fsync, then rename; clean up on failure."""
+    """Write ``path`` through a temp file in its folder, fsync, then rename; clean up on failure.
+
+    The temp file is created ``0o666`` less the umask, as ``open`` would (not ``mkstemp``'s ``0600``),
+    so a run is readable by whoever may read the folder: ``0644`` under the usual umask ``022``.
+    """
     path = Path(path)
+    temp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        handle = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except PermissionError:
         raise LadleError(f"cannot write to {path.parent}: permission denied (choose another --run-dir)") from None
     try:

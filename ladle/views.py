@@ -35,12 +35,14 @@ from torch_geometric.data import Data
 
 from ladle.partition import (BALANCE_KINDS, InEdges, Part, label_balanced_partition, metis_partition,
                              part_subgraph, random_partition, stream_generator)
+from ladle.pyg_views import PyGView, pyg_view
 
 log = logging.getLogger(__name__)
 
 VIEW_KINDS = ("full", "metis", "random", "cluster", "saint-node", "saint-edge", "saint-rw", "neighbor")
 PARTITION_KINDS = ("metis", "random")
 SAINT_KINDS = ("saint-node", "saint-edge", "saint-rw")
+VIEW_BACKENDS = ("ladle", "pyg")
 
 # Independent random streams derived from the run seed (values are part of the determinism contract).
 _PARTITION_STREAM, _NORM_STREAM, _EPOCH_STREAM = 0, 1, 2
@@ -63,10 +65,13 @@ class ViewConfig:
     fanout: tuple[int, ...] = (25, 10)  # neighbor: neighbours sampled per node, per hop
     balance: str = "none"  # metis: "labels" balances each class's train labels across parts
     halo: int = 0  # metis/random: hops of read-only neighbourhood each part also stores (loss on its own nodes)
+    backend: str = "ladle"  # cluster/saint/neighbor batches: ladle's samplers, or PyG's loaders (ladle.pyg_views)
 
     def __post_init__(self) -> None:
         if self.kind not in VIEW_KINDS:
             raise ValueError(f"view.kind must be one of {', '.join(VIEW_KINDS)}; got {self.kind!r}")
+        if self.backend not in VIEW_BACKENDS:
+            raise ValueError(f"view.backend must be one of {', '.join(VIEW_BACKENDS)}; got {self.backend!r}")
         for key in ("parts", "parts_per_batch", "walk_length", "sample_coverage"):
             if getattr(self, key) < 1:
                 raise ValueError(f"view.{key} must be >= 1, got {getattr(self, key)}")
@@ -417,7 +422,7 @@ _VIEWS: dict[str, type[IngredientView]] = {
 
 
 def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-               partition: Tensor | None = None) -> IngredientView:
+               partition: Tensor | None = None) -> IngredientView | PyGView:
     """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once).
 
     ``partition``: the node -> part ids of a ``metis``/``random``/``cluster`` view computed earlier
@@ -434,4 +439,5 @@ def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, see
         raise ValueError("the graph has no nodes")
     if partition is not None and partition.numel() != data.num_nodes:
         raise ValueError(f"the partition has {partition.numel()} entries but the graph {data.num_nodes} nodes")
-    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)
+    view = _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)
+    return pyg_view(view) if config.backend == "pyg" else view
