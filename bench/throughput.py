@@ -38,6 +38,7 @@ from ladle.data import load_dataset
 from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError
 from ladle.launch import train_ingredients
+from ladle.pyg_views import with_backend
 from ladle.views import build_view
 
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
@@ -95,7 +96,7 @@ def backend_seconds(dataset: str, data: Data, kind: str, backend: str, epochs: i
     recipe = load_recipe(None, [f"dataset={dataset}", f"view.kind={kind}", f"view.backend={backend}",
                                 f"epochs={epochs}", f"patience={epochs}"])
     start = time.perf_counter()
-    view = build_view(data, recipe.view, 0, 1, recipe.seed)
+    view = with_backend(build_view(data, recipe.view, 0, 1, recipe.seed))
     setup = time.perf_counter() - start
     start = time.perf_counter()
     for epoch in range(epochs):

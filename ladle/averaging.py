@@ -32,6 +32,7 @@ from ladle.evaluation import average, evaluate
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
 from ladle.resources import peak_rss_mb
 from ladle.rundir import AVERAGED, RunDir
+from ladle.pyg_views import with_backend
 from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,9 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
         torch.manual_seed(recipe.seed)
         init = build_model(recipe, data.num_features, data.num_classes).state_dict()
-        first = build_view(data, recipe.view, 0, ingredients, recipe.seed)
+        first = with_backend(build_view(data, recipe.view, 0, ingredients, recipe.seed))
         partition = getattr(first, "parts", None)  # partition views share one partition, computed once
-        views = [first] + [build_view(data, recipe.view, k, ingredients, recipe.seed, partition)
+        views = [first] + [with_backend(build_view(data, recipe.view, k, ingredients, recipe.seed, partition))
                            for k in range(1, ingredients)]
         trainers = [_Trainer(recipe, data, view, init, full_inputs) for view in views]
         meta = _lockstep(recipe, data, trainers, average_every, full_inputs)

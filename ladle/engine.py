@@ -31,6 +31,7 @@ from ladle.evaluation import Metrics, evaluate
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
 from ladle.resources import peak_rss_mb
 from ladle.rundir import BASELINE, RunDir, ingredient_name
+from ladle.pyg_views import with_backend
 from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
@@ -206,8 +207,8 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         view = part_view
     else:
         partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
-        view = build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
-                          recipe.seed, partition)
+        view = with_backend(build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
+                                       recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
     if task.init == "shared":

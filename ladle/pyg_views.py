@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch_geometric.typing
@@ -27,9 +27,8 @@ from torch_geometric.loader import (ClusterData, ClusterLoader, GraphSAINTEdgeSa
 
 from ladle.errors import LadleError
 from ladle.partition import stream_generator
+from ladle.views import ClusterView, IngredientView, NeighborView, SaintView
 
-if TYPE_CHECKING:
-    from ladle.views import ClusterView, IngredientView, NeighborView, SaintView
 
 # Random streams of this backend (distinct from ladle's own samplers' streams).
 _NORM_STREAM, _EPOCH_STREAM = 11, 12
@@ -200,3 +199,8 @@ def pyg_view(base: IngredientView) -> IngredientView | PyGView:
         return base
     _require(base.kind)
     return _PYG_VIEWS[base.kind](base)
+
+
+def with_backend(view: IngredientView) -> IngredientView | PyGView:
+    """``view`` as its config's ``backend`` draws it: as it is for ``ladle``, through PyG's loaders for ``pyg``."""
+    return pyg_view(view) if view.config.backend == "pyg" else view

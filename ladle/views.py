@@ -35,7 +35,6 @@ from torch_geometric.data import Data
 
 from ladle.partition import (BALANCE_KINDS, InEdges, Part, label_balanced_partition, metis_partition,
                              part_subgraph, random_partition, stream_generator)
-from ladle.pyg_views import PyGView, pyg_view
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +421,7 @@ _VIEWS: dict[str, type[IngredientView]] = {
 
 
 def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-               partition: Tensor | None = None) -> IngredientView | PyGView:
+               partition: Tensor | None = None) -> IngredientView:
     """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once).
 
     ``partition``: the node -> part ids of a ``metis``/``random``/``cluster`` view computed earlier
@@ -439,5 +438,4 @@ def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, see
         raise ValueError("the graph has no nodes")
     if partition is not None and partition.numel() != data.num_nodes:
         raise ValueError(f"the partition has {partition.numel()} entries but the graph {data.num_nodes} nodes")
-    view = _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)
-    return pyg_view(view) if config.backend == "pyg" else view
+    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)

@@ -17,7 +17,7 @@ from conftest import run_module
 from ladle.config import load_recipe
 from ladle.errors import LadleError
 from ladle.launch import train_ingredients
-from ladle.pyg_views import PyGView
+from ladle.pyg_views import PyGView, with_backend
 from ladle.views import SAINT_KINDS, FullView, ViewConfig, build_view
 
 torch.set_num_threads(1)
@@ -32,7 +32,7 @@ RUNNABLE_KINDS = [pytest.param(kind, marks=() if kind == "cluster" else needs_sp
 
 def views(data: Data, kind: str, **settings) -> tuple:
     """The ladle and the PyG view of ingredient 0 of 2, same settings and seed."""
-    return tuple(build_view(data, ViewConfig(kind=kind, backend=backend, **settings), 0, 2, seed=0)
+    return tuple(with_backend(build_view(data, ViewConfig(kind=kind, backend=backend, **settings), 0, 2, seed=0))
                  for backend in ("ladle", "pyg"))
 
 
@@ -188,8 +188,8 @@ def test_missing_package_is_one_actionable_error(cora: Data, kind: str, monkeypa
     monkeypatch.setattr(torch_geometric.typing, "WITH_TORCH_SPARSE", False)
     monkeypatch.setattr(torch_geometric.typing, "WITH_PYG_LIB", False)
     with pytest.raises(LadleError, match=rf"view\.backend=pyg with view\.kind={kind} needs torch-sparse"):
-        build_view(cora, ViewConfig(kind=kind, backend="pyg"), 0, 1, seed=0)
-    assert isinstance(build_view(cora, ViewConfig(kind="cluster", backend="pyg"), 0, 1, seed=0), PyGView)
+        with_backend(build_view(cora, ViewConfig(kind=kind, backend="pyg"), 0, 1, seed=0))
+    assert isinstance(with_backend(build_view(cora, ViewConfig(kind="cluster", backend="pyg"), 0, 1, seed=0)), PyGView)
 
 
 @pytest.mark.skipif(HAS_SPARSE, reason="checks the message of a machine without torch-sparse")
