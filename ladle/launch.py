@@ -25,6 +25,7 @@ from ladle.config import Recipe, recipe_from_dict
 from ladle.engine import IngredientTask, check_ingredients, ingredient_tasks, train_ingredient
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, build_model
+from ladle.pyg_views import check_backend
 from ladle.ray_backend import import_ray, run_ray
 from ladle.resources import available_cores, resolve_device
 from ladle.rundir import BASELINE, CHECKPOINTS, RunDir, new_run_dir, resolve_run_dir, update_latest
@@ -110,6 +111,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     ``threads``: torch threads per local worker (default: cores / workers).
     """
     check_ingredients(ingredients)
+    check_backend(recipe.view)
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
     workers = _check_backend(backend, workers, ingredients + int(baseline))

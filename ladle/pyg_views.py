@@ -27,7 +27,7 @@ from torch_geometric.loader import (ClusterData, ClusterLoader, GraphSAINTEdgeSa
 
 from ladle.errors import LadleError
 from ladle.partition import stream_generator
-from ladle.views import ClusterView, IngredientView, NeighborView, SaintView
+from ladle.views import ClusterView, IngredientView, NeighborView, SaintView, ViewConfig
 
 
 # Random streams of this backend (distinct from ladle's own samplers' streams).
@@ -63,6 +63,12 @@ def _draw(loader: Iterable[Data], steps: int, generator: torch.Generator) -> Ite
 def _topology(data: Data) -> Data:
     """What PyG's loaders need to see of ``data``: its edges and a node id to carry through batches."""
     return Data(edge_index=data.edge_index, num_nodes=data.num_nodes, n_id=torch.arange(data.num_nodes))
+
+
+def check_backend(config: ViewConfig) -> None:
+    """Fail early, in one line, when ``config`` asks for a PyG loader that cannot run here."""
+    if config.backend == "pyg":
+        _require(config.kind)
 
 
 def _require(kind: str) -> None:
