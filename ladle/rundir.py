@@ -7,17 +7,26 @@ prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX
 ``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
 or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``.
 ``checkpoints/latest`` points at the newest run.
+
+A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
+exclusive ``flock`` on ``run.lock`` (:func:`lock_run_dir`), which the kernel releases when the process
+dies.
 """
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ladle.checkpoints import StateDict, load_state, read_json
+from ladle.config import recipe_from_dict
 from ladle.errors import LadleError
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,11 @@ class RunDir:
     def run_json(self) -> Path:
         """The run's settings and status."""
         return self.path / "run.json"
+
+    @property
+    def lock(self) -> Path:
+        """Who owns the run directory now (pid, command, start time), locked with ``flock`` while they do."""
+        return self.path / "run.lock"
 
     @property
     def init(self) -> Path:
@@ -155,6 +169,94 @@ def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPO
     if not RunDir(path).run_json.is_file():
         raise LadleError(f"{path} is not a ladle run (no run.json)")
     return path.resolve()
+
+
+# ---------------------------------------------------------------- one owner at a time
+
+
+@contextmanager
+def lock_run_dir(run_dir: Path, command: str) -> Iterator[None]:
+    """Own ``run_dir`` while the block runs: an exclusive, non-blocking ``flock`` on its lock file, which
+    records the pid, ``command`` and start time; a directory another process owns is refused in one line.
+    The kernel drops the lock when the process dies, so a killed run can be resumed at once."""
+    fd = _acquire(run_dir)
+    try:
+        owner = {"pid": os.getpid(), "command": command, "since": dt.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse now, before long work, a run directory another process owns (the work takes the lock later)."""
+    if RunDir(run_dir).lock.exists():
+        os.close(_acquire(run_dir))
+
+
+def _acquire(run_dir: Path) -> int:
+    """A descriptor of the run directory's lock file, locked exclusively (refused when another holds it)."""
+    path = RunDir(run_dir).lock
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _owner(fd)
+        os.close(fd)
+        raise LadleError(f"run directory {run_dir} is in use by {owner}; wait for it to end or choose another "
+                         "--run-dir") from None
+    return fd
+
+
+def _owner(fd: int) -> str:
+    """``pid N (command since T)`` from a lock file's record, or ``another process`` while it is unwritten."""
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(owner['pid'])} ({owner['command']} since {owner['since']})"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
+    """Refuse to train ``run`` (``recipe``, ``ingredients``, ``init``, ``baseline``) into a directory whose
+    ``run.json`` holds another run: only ``--resume`` continues one."""
+    files = RunDir(run_dir)
+    if not files.run_json.is_file():
+        return
+    existing = read_json(files.run_json)
+    differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"
+                   for key in ("ingredients", "init", "baseline") if existing.get(key) != run[key]]
+    recipe = recipe_difference(run["recipe"], existing.get("recipe", {}))
+    differences += [recipe] if recipe else []
+    if differences:
+        raise LadleError(f"run directory {run_dir} already holds another run ({'; '.join(differences)}): "
+                         "finish it with --resume, or choose another --run-dir")
+
+
+def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
+    """'' when two recipes are the same once defaults are filled in, else each difference: ``hidden 32,
+    run.json 64``."""
+    try:
+        ours, theirs = (_flat(recipe_from_dict(values).to_dict()) for values in (found, expected))
+    except LadleError as error:
+        return f"a recipe this version cannot read: {error}"
+    return "; ".join(f"{key} {ours.get(key)!r}, run.json {theirs.get(key)!r}"
+                     for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key))
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe dict with dotted keys (``view.kind``)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @dataclass
