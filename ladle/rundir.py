@@ -10,7 +10,7 @@ or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.
 
 A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
 exclusive ``flock`` on ``run.lock`` (:func:`lock_run_dir`), which the kernel releases when the process
-dies.
+dies. Everything read back is checked against ``run.json``'s recipe (:func:`expected_shapes`).
 """
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ladle.checkpoints import StateDict, load_state, read_json
 from ladle.config import recipe_from_dict
 from ladle.errors import LadleError
+from ladle.models import build_model
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +240,18 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
                          "finish it with --resume, or choose another --run-dir")
 
 
+# ---------------------------------------------------------------- everything read back matches run.json
+
+
+def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the weights of a model of ``run``'s recipe (its ``run.json``), which every
+    checkpoint of the run must hold; built on the meta device, so nothing is allocated and no RNG drawn."""
+    with torch.device("meta"):
+        model = build_model(recipe_from_dict(run["recipe"]), int(run["dataset"]["features"]),
+                            int(run["dataset"]["classes"]))
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
 def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
     """'' when two recipes are the same once defaults are filled in, else each difference: ``hidden 32,
     run.json 64``."""
@@ -259,52 +274,67 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
+    """Load a checkpoint of the run, refused unless it holds exactly the keys and shapes of the run's recipe."""
+    state = load_state(path)
+    for key, shape in expected.items():
+        if key not in state:
+            raise LadleError(f"{path} does not match the run's recipe (no {key})")
+        if tuple(state[key].shape) != shape:
+            raise LadleError(f"{path} does not match the run's recipe ({key} has shape {tuple(state[key].shape)}, "
+                             f"run.json's recipe {shape})")
+    extra = sorted(state.keys() - expected.keys())
+    if extra:
+        raise LadleError(f"{path} does not match the run's recipe (unexpected {extra[0]})")
+    return state
+
+
 @dataclass
 class Ingredients:
-    """The finished ingredients of a run, compatible with each other."""
+    """The finished ingredients of a run that match its ``run.json``, and those left out."""
 
     names: list[str]
     states: list[StateDict]
     metas: list[dict[str, Any]]
     missing: list[str]
-    skipped: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why (``--skip-bad``)
 
 
 def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
-    """Load every finished ingredient; name missing ones; refuse (or skip) corrupt or mismatched ones."""
+    """Load every finished ingredient, each checked against ``run.json``'s recipe (its own recipe, and the
+    keys and shapes of a model built from it); name missing ones; refuse (or skip, with why) the others."""
     files = RunDir(run_dir)
     run = read_json(files.run_json)
-    names, states, metas, missing, skipped = [], [], [], [], []
-    reference: tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None = None
+    expected = expected_shapes(run)
+    bundle = Ingredients([], [], [], [])
     for k in range(int(run["ingredients"])):
         name = ingredient_name(k)
         weights, meta_path = files.weights(name), files.meta(name)
         if not weights.exists() and not meta_path.exists():
-            missing.append(name)
+            bundle.missing.append(name)
             continue
         try:
             meta = read_json(meta_path)
             if meta.get("status") != "done":
-                missing.append(name)
+                bundle.missing.append(name)
                 continue
-            state = load_state(weights)
-            shapes = {key: tuple(v.shape) for key, v in state.items()}
-            if reference is None:
-                reference = (meta["recipe"], shapes)
-            elif meta["recipe"] != reference[0] or shapes != reference[1]:
-                raise LadleError(f"{weights} does not match the other ingredients (another recipe or architecture)")
+            difference = recipe_difference(meta.get("recipe", {}), run["recipe"])
+            if difference:
+                raise LadleError(f"{weights} does not match the run's recipe ({difference})")
+            state = check_weights(weights, expected)
         except LadleError as error:
             if not skip_bad:
                 raise LadleError(f"{error} (or pass --skip-bad to soup the rest)") from None
             log.warning("skipping %s: %s", name, error)
-            skipped.append(name)
+            bundle.skipped[name] = str(error)
             continue
-        names.append(name)
-        states.append(state)
-        metas.append(meta)
-    if not states:
-        raise LadleError(f"no finished ingredient in {run_dir} (missing: {', '.join(missing) or 'none'})")
-    if missing:
-        log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(states), run["ingredients"],
-                    ", ".join(missing))
-    return Ingredients(names, states, metas, missing, skipped)
+        bundle.names.append(name)
+        bundle.states.append(state)
+        bundle.metas.append(meta)
+    if not bundle.states:
+        raise LadleError(f"no finished ingredient in {run_dir} (missing: {', '.join(bundle.missing) or 'none'}"
+                         f"{', skipped: ' + ', '.join(bundle.skipped) if bundle.skipped else ''})")
+    if bundle.missing:
+        log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(bundle.states),
+                    run["ingredients"], ", ".join(bundle.missing))
+    return bundle

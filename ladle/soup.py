@@ -40,8 +40,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     if write:
         check_free(files.path)  # before the work; the write phase takes the lock
     run = read_json(files.run_json)
-    bundle = load_ingredients(files.path, skip_bad)
-    recipe = recipe_from_dict(bundle.metas[0]["recipe"])
+    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
+    recipe = recipe_from_dict(run["recipe"])
     options = recipe.soup
     method = method or options.method
     grid = grid or options.grid
