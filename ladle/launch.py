@@ -27,8 +27,8 @@ from ladle.errors import LadleError
 from ladle.models import GraphInputs, build_model
 from ladle.ray_backend import import_ray, run_ray
 from ladle.resources import available_cores, resolve_device
-from ladle.rundir import (BASELINE, CHECKPOINTS, RunDir, check_free, check_same_run, lock_run_dir, new_run_dir,
-                          resolve_run_dir, update_latest)
+from ladle.rundir import (BASELINE, CHECKPOINTS, RunDir, check_free, check_same_run, expected_shapes, lock_run_dir,
+                          new_run_dir, resolve_run_dir, update_latest, verify_finished)
 from ladle.shards import ShardSet, load_shard, prepare_shards
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,8 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         recipe = recipe_from_dict(run_meta["recipe"])
         backend = backend or run_meta.get("backend", "local")
         tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
-        todo = [task for task in tasks if not task.files.finished(task.name)]
+        expected = expected_shapes(run_meta)  # a finished checkpoint that does not load is trained again
+        todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
         log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
         data_root = None if data_root is None else str(data_root)

@@ -151,21 +151,28 @@ def averaging_run_dir(recipe_name: str, average_every: int, checkpoints_root: Pa
 
 
 def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
-    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically)."""
+    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically); say so
+    when it cannot (a real directory of that name is never replaced)."""
     link = checkpoints_root / "latest"
+    if link.is_dir() and not link.is_symlink():
+        log.warning("%s is a real directory, not updated: remove it", link)
+        return
     temp = checkpoints_root / f".latest.{os.getpid()}"
     temp.unlink(missing_ok=True)
     try:
         target = os.path.relpath(run_dir.resolve(), checkpoints_root.resolve())
         temp.symlink_to(target, target_is_directory=True)
         os.replace(temp, link)
-    except OSError:
+    except OSError as error:
         temp.unlink(missing_ok=True)
+        log.warning("%s not updated: %s", link, error.strerror)
 
 
 def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPOINTS) -> Path:
-    """An existing run directory: the argument, else ``checkpoints/latest``."""
+    """An existing run directory: the argument, else ``checkpoints/latest`` (a link, never a stale real folder)."""
     path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"
+    if run_dir is None and path.is_dir() and not path.is_symlink():
+        raise LadleError(f"{path} is a real directory, not a link to the newest run: remove it, or pass --run-dir")
     if not path.is_dir():
         hint = "train one with python -m ladle.train" if run_dir is None else "check --run-dir"
         raise LadleError(f"run directory {path} not found ({hint})")
@@ -287,6 +294,19 @@ def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict
     if extra:
         raise LadleError(f"{path} does not match the run's recipe (unexpected {extra[0]})")
     return state
+
+
+def verify_finished(files: RunDir, name: str, expected: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``name`` is finished and its weights load with the run's keys and shapes; a damaged one is
+    logged and counts as unfinished, so ``--resume`` trains it again."""
+    try:
+        if not files.finished(name):
+            return False
+        check_weights(files.weights(name), expected)
+    except LadleError as error:
+        log.warning("%s will be trained again: %s", name, error)
+        return False
+    return True
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Nothing foreign runs, nothing silently mixed: a pickle-free dataset cache, recipe names that stay in
 their folder, finite numbers only, shards keyed by the dataset files with the data root checked every
-time, the cache listed and pruned, ingredients checked against the run's own recipe, and skipped
-ingredients reported."""
+time, the cache listed and pruned, ingredients checked against the run's own recipe, damaged checkpoints
+retrained on resume, skipped ingredients reported, and a stale ``checkpoints/latest`` named."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -20,10 +21,11 @@ from ladle.checkpoints import load_state, save_state
 from ladle.config import load_recipe
 from ladle.data import dataset_identity, load_dataset
 from ladle.errors import LadleError, run_cli
-from ladle.launch import train_ingredients
+from ladle.launch import resume_run, train_ingredients
 from ladle.models import build_model
 from ladle.prepare import cache_entries
 from ladle.prepare import main as prepare_main
+from ladle.rundir import resolve_run_dir, update_latest
 from ladle.shards import load_shard, prepare_shards, shard_key
 from ladle.soup import soup_run
 
@@ -275,7 +277,23 @@ def test_a_foreign_first_ingredient_is_the_one_named_and_skipped(finished_run: P
     assert json.loads((run / "soup-uniform.json").read_text())["recipe"]["hidden"] == 64
 
 
-# ------------------------------------------------------------------ 7. the report says what --skip-bad left out
+# ------------------------------------------------------------------ 7. resume, the report and latest say what they see
+
+
+def test_resume_trains_a_truncated_checkpoint_again(finished_run: Path, data_root: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    run = _copy(finished_run, tmp_path)
+    weights = run / "ingredient-01.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    untouched = (run / "ingredient-00.safetensors").stat().st_mtime_ns
+    with caplog.at_level(logging.WARNING):
+        result = resume_run(run, workers=1, data_root=data_root)
+    assert not result.failed and [meta["name"] for meta in result.ingredients] == ["ingredient-00", "ingredient-01"]
+    assert "ingredient-01 will be trained again: checkpoint" in caplog.text and "corrupt or truncated" in caplog.text
+    expected = load_state(finished_run / "ingredient-01.safetensors")
+    retrained = load_state(weights)
+    assert all(torch.equal(expected[key], retrained[key]) for key in expected)
+    assert (run / "ingredient-00.safetensors").stat().st_mtime_ns == untouched
 
 
 def test_the_report_lists_what_skip_bad_left_out(finished_run: Path, data_root: Path, tmp_path: Path) -> None:
@@ -286,3 +304,18 @@ def test_the_report_lists_what_skip_bad_left_out(finished_run: Path, data_root: 
     why = json.loads((run / "report.json").read_text())["skipped"]["ingredient-01"]
     assert "ingredient-01.safetensors is corrupt or truncated" in why
     assert f"- ingredient-01: {why}" in (run / "report.md").read_text()
+
+
+def test_a_real_latest_directory_is_named_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "checkpoints"
+    stale = root / "latest"
+    stale.mkdir(parents=True)
+    (stale / "run.json").write_text("{}")
+    (root / "new").mkdir()
+    with caplog.at_level(logging.WARNING):
+        update_latest(root, root / "new")
+    assert [r.getMessage() for r in caplog.records] == [f"{stale} is a real directory, not updated: remove it"]
+    assert stale.is_dir() and not stale.is_symlink()
+    with pytest.raises(LadleError, match="latest is a real directory, not a link to the newest run: remove it"):
+        resolve_run_dir(None, root)
+    assert resolve_run_dir(stale, root) == stale.resolve()  # named with --run-dir, it is used
