@@ -170,8 +170,9 @@ def _check_creatable(run_path: Path) -> None:
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
                backend: str | None = None, ray_options: dict[str, Any] | None = None) -> RunResult:
-    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint
-    restart from their last training-state file (or from scratch), bitwise as if never stopped."""
+    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
+    loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
+    (or from scratch), bitwise as if never stopped."""
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_json(RunDir(run_path).run_json)

@@ -219,6 +219,9 @@ def _acquire(run_dir: Path) -> int:
         os.close(fd)
         raise LadleError(f"run directory {run_dir} is in use by {owner}; wait for it to end or choose another "
                          "--run-dir") from None
+    except OSError as error:  # a file system without flock
+        os.close(fd)
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
     return fd
 
 
