@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -203,6 +204,7 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     spec = f"synthetic:nodes={nodes},degree=10,features=64,classes=10"
     recipe = [f"dataset={spec}", f"view.kind={args.view}", f"epochs={args.epochs}", f"patience={args.epochs}"]
     run_dir = args.out / f"n{nodes}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun, maybe with other settings, starts afresh
     python = sys.executable
     prepare = stage(f"prepare {nodes}", [python, "-m", "ladle.prepare", *recipe, "-k", str(args.ingredients),
                                          "--force"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,7 @@ def run_schedules(recipe: Recipe, specs: list[str], workers: int, partition: str
 def run_soup(recipe: Recipe, workers: int, partition: str, out: Path, data_root: str | None,
              model_bytes: int) -> list[dict[str, Any]]:
     """K ingredients on the same partition, no communication, then every soup; one report entry per soup."""
+    shutil.rmtree(out / "soup", ignore_errors=True)  # a rerun, maybe with other settings, starts afresh
     began = time.perf_counter()
     run = train_ingredients(recipe.replace(view=ViewConfig(kind=partition)), ingredients=workers,
                             workers=min(workers, available_cores()), run_dir=out / "soup", data_root=data_root)

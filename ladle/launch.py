@@ -28,7 +28,8 @@ from ladle.models import GraphInputs, build_model
 from ladle.pyg_views import check_backend
 from ladle.ray_backend import import_ray, run_ray
 from ladle.resources import available_cores, resolve_device
-from ladle.rundir import BASELINE, CHECKPOINTS, RunDir, new_run_dir, resolve_run_dir, update_latest
+from ladle.rundir import (BASELINE, CHECKPOINTS, RunDir, check_free, check_same_run, expected_shapes, lock_run_dir,
+                          new_run_dir, resolve_run_dir, update_latest, verify_finished)
 from ladle.shards import ShardSet, load_shard, prepare_shards
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,10 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
 
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
+    definition = {"recipe": recipe.to_dict(), "ingredients": ingredients, "init": init, "baseline": baseline}
     _check_creatable(run_path)  # before the (maybe long) preparation
+    check_free(run_path)
+    check_same_run(run_path, definition)
     shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
     try:
         run_path.mkdir(parents=True, exist_ok=True)
@@ -129,27 +133,29 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if not os.access(run_path, os.W_OK):
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
-    files = RunDir(run_path)
-    graph = shards.meta["graph"]
-    torch.manual_seed(recipe.seed)
-    save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
-    partition = shards.partition()
-    if partition is not None:
-        save_state(files.partition, {"parts": partition})
-    shards.link(run_path)
-    run_meta = {
-        "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
-        "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
-        "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
-                    "features": graph["num_features"], "classes": graph["num_classes"]},
-        "shards": shards.meta["key"], "status": "running",
-    }
-    write_json(files.run_json, run_meta)
-    if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
-        update_latest(checkpoints_root, run_path)
-    tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every)
-    return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
+    with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
+        check_same_run(run_path, definition)  # again, now that no one else can write it
+        files = RunDir(run_path)
+        graph = shards.meta["graph"]
+        torch.manual_seed(recipe.seed)
+        save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
+        partition = shards.partition()
+        if partition is not None:
+            save_state(files.partition, {"parts": partition})
+        shards.link(run_path)
+        run_meta = {
+            "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
+            "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
+            "created": dt.datetime.now().isoformat(timespec="seconds"),
+            "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
+                        "features": graph["num_features"], "classes": graph["num_classes"]},
+            "shards": shards.meta["key"], "status": "running",
+        }
+        write_json(files.run_json, run_meta)
+        if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
+            update_latest(checkpoints_root, run_path)
+        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every)
+        return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
 def _check_creatable(run_path: Path) -> None:
@@ -166,21 +172,24 @@ def _check_creatable(run_path: Path) -> None:
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
                backend: str | None = None, ray_options: dict[str, Any] | None = None) -> RunResult:
-    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint
-    restart from their last training-state file (or from scratch), bitwise as if never stopped."""
+    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
+    loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
+    (or from scratch), bitwise as if never stopped."""
     run_path = resolve_run_dir(run_dir)
-    run_meta = read_json(RunDir(run_path).run_json)
-    recipe = recipe_from_dict(run_meta["recipe"])
-    backend = backend or run_meta.get("backend", "local")
-    tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
-    todo = [task for task in tasks if not task.files.finished(task.name)]
-    log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
-    workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
-    data_root = None if data_root is None else str(data_root)
-    if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
-        prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
-    return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
-                    ray_options)
+    with lock_run_dir(run_path, "ladle.train --resume"):
+        run_meta = read_json(RunDir(run_path).run_json)
+        recipe = recipe_from_dict(run_meta["recipe"])
+        backend = backend or run_meta.get("backend", "local")
+        tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
+        expected = expected_shapes(run_meta)  # a finished checkpoint that does not load is trained again
+        todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
+        log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
+        workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
+        data_root = None if data_root is None else str(data_root)
+        if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
+            prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
+        return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
+                        ray_options)
 
 
 def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:

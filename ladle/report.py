@@ -38,6 +38,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [f"{name:<20}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
     if report.get("missing"):
         lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
+    lines += [f"skipped (--skip-bad): {name}: {why}" for name, why in report.get("skipped", {}).items()]
     lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
     return "\n".join(lines)
 
@@ -56,6 +57,9 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines += [f"| {name} | {val:.4f} | {test:.4f} | {note} |" for name, val, test, note in table_rows(report)]
     if report.get("missing"):
         lines += ["", f"Missing or unfinished ingredients: {', '.join(report['missing'])}"]
+    if report.get("skipped"):
+        lines += ["", "Skipped by `--skip-bad`:", ""]
+        lines += [f"- {name}: {why}" for name, why in report["skipped"].items()]
     lines += ["", "## Views", "", "| ingredient | nodes | train nodes | label histogram |", "|---|---|---|---|"]
     for row, view in zip(report["ingredients"], report["views"]):
         histogram = view.get("label_histogram", [])

@@ -7,18 +7,30 @@ prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX
 ``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
 or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``.
 ``checkpoints/latest`` points at the newest run.
+
+A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
+exclusive ``flock`` on ``run.lock`` (:func:`lock_run_dir`), which the kernel releases when the process
+dies. Everything read back is checked against ``run.json``'s recipe (:func:`expected_shapes`).
 """
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import json
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ladle.checkpoints import StateDict, load_state, read_json
+from ladle.config import recipe_from_dict
 from ladle.errors import LadleError
+from ladle.models import build_model
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,11 @@ class RunDir:
     def run_json(self) -> Path:
         """The run's settings and status."""
         return self.path / "run.json"
+
+    @property
+    def lock(self) -> Path:
+        """Who owns the run directory now (pid, command, start time), locked with ``flock`` while they do."""
+        return self.path / "run.lock"
 
     @property
     def init(self) -> Path:
@@ -134,21 +151,28 @@ def averaging_run_dir(recipe_name: str, average_every: int, checkpoints_root: Pa
 
 
 def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
-    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically)."""
+    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically); say so
+    when it cannot (a real directory of that name is never replaced)."""
     link = checkpoints_root / "latest"
+    if link.is_dir() and not link.is_symlink():
+        log.warning("%s is a real directory, not updated: remove it", link)
+        return
     temp = checkpoints_root / f".latest.{os.getpid()}"
     temp.unlink(missing_ok=True)
     try:
         target = os.path.relpath(run_dir.resolve(), checkpoints_root.resolve())
         temp.symlink_to(target, target_is_directory=True)
         os.replace(temp, link)
-    except OSError:
+    except OSError as error:
         temp.unlink(missing_ok=True)
+        log.warning("%s not updated: %s", link, error.strerror)
 
 
 def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPOINTS) -> Path:
-    """An existing run directory: the argument, else ``checkpoints/latest``."""
+    """An existing run directory: the argument, else ``checkpoints/latest`` (a link, never a stale real folder)."""
     path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"
+    if run_dir is None and path.is_dir() and not path.is_symlink():
+        raise LadleError(f"{path} is a real directory, not a link to the newest run: remove it, or pass --run-dir")
     if not path.is_dir():
         hint = "train one with python -m ladle.train" if run_dir is None else "check --run-dir"
         raise LadleError(f"run directory {path} not found ({hint})")
@@ -157,52 +181,183 @@ def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPO
     return path.resolve()
 
 
+# ---------------------------------------------------------------- one owner at a time
+
+
+@contextmanager
+def lock_run_dir(run_dir: Path, command: str) -> Iterator[None]:
+    """Own ``run_dir`` while the block runs: an exclusive, non-blocking ``flock`` on its lock file, which
+    records the pid, ``command`` and start time; a directory another process owns is refused in one line.
+    The kernel drops the lock when the process dies, so a killed run can be resumed at once."""
+    fd = _acquire(run_dir)
+    try:
+        owner = {"pid": os.getpid(), "command": command, "since": dt.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse now, before long work, a run directory another process owns (the work takes the lock later)."""
+    if RunDir(run_dir).lock.exists():
+        os.close(_acquire(run_dir))
+
+
+def _acquire(run_dir: Path) -> int:
+    """A descriptor of the run directory's lock file, locked exclusively (refused when another holds it)."""
+    path = RunDir(run_dir).lock
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _owner(fd)
+        os.close(fd)
+        raise LadleError(f"run directory {run_dir} is in use by {owner}; wait for it to end or choose another "
+                         "--run-dir") from None
+    except OSError as error:  # a file system without flock
+        os.close(fd)
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    return fd
+
+
+def _owner(fd: int) -> str:
+    """``pid N (command since T)`` from a lock file's record, or ``another process`` while it is unwritten."""
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(owner['pid'])} ({owner['command']} since {owner['since']})"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
+    """Refuse to train ``run`` (``recipe``, ``ingredients``, ``init``, ``baseline``) into a directory whose
+    ``run.json`` holds another run: only ``--resume`` continues one."""
+    files = RunDir(run_dir)
+    if not files.run_json.is_file():
+        return
+    existing = read_json(files.run_json)
+    differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"
+                   for key in ("ingredients", "init", "baseline") if existing.get(key) != run[key]]
+    recipe = recipe_difference(run["recipe"], existing.get("recipe", {}))
+    differences += [recipe] if recipe else []
+    if differences:
+        raise LadleError(f"run directory {run_dir} already holds another run ({'; '.join(differences)}): "
+                         "finish it with --resume, or choose another --run-dir")
+
+
+# ---------------------------------------------------------------- everything read back matches run.json
+
+
+def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the weights of a model of ``run``'s recipe (its ``run.json``), which every
+    checkpoint of the run must hold; built on the meta device, so nothing is allocated and no RNG drawn."""
+    with torch.device("meta"):
+        model = build_model(recipe_from_dict(run["recipe"]), int(run["dataset"]["features"]),
+                            int(run["dataset"]["classes"]))
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
+    """'' when two recipes are the same once defaults are filled in, else each difference: ``hidden 32,
+    run.json 64``."""
+    try:
+        ours, theirs = (_flat(recipe_from_dict(values).to_dict()) for values in (found, expected))
+    except LadleError as error:
+        return f"a recipe this version cannot read: {error}"
+    return "; ".join(f"{key} {ours.get(key)!r}, run.json {theirs.get(key)!r}"
+                     for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key))
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe dict with dotted keys (``view.kind``)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
+    """Load a checkpoint of the run, refused unless it holds exactly the keys and shapes of the run's recipe."""
+    state = load_state(path)
+    for key, shape in expected.items():
+        if key not in state:
+            raise LadleError(f"{path} does not match the run's recipe (no {key})")
+        if tuple(state[key].shape) != shape:
+            raise LadleError(f"{path} does not match the run's recipe ({key} has shape {tuple(state[key].shape)}, "
+                             f"run.json's recipe {shape})")
+    extra = sorted(state.keys() - expected.keys())
+    if extra:
+        raise LadleError(f"{path} does not match the run's recipe (unexpected {extra[0]})")
+    return state
+
+
+def verify_finished(files: RunDir, name: str, expected: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``name`` is finished and its weights load with the run's keys and shapes; a damaged one is
+    logged and counts as unfinished, so ``--resume`` trains it again."""
+    try:
+        if not files.finished(name):
+            return False
+        check_weights(files.weights(name), expected)
+    except LadleError as error:
+        log.warning("%s will be trained again: %s", name, error)
+        return False
+    return True
+
+
 @dataclass
 class Ingredients:
-    """The finished ingredients of a run, compatible with each other."""
+    """The finished ingredients of a run that match its ``run.json``, and those left out."""
 
     names: list[str]
     states: list[StateDict]
     metas: list[dict[str, Any]]
     missing: list[str]
-    skipped: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why (``--skip-bad``)
 
 
 def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
-    """Load every finished ingredient; name missing ones; refuse (or skip) corrupt or mismatched ones."""
+    """Load every finished ingredient, each checked against ``run.json``'s recipe (its own recipe, and the
+    keys and shapes of a model built from it); name missing ones; refuse (or skip, with why) the others."""
     files = RunDir(run_dir)
     run = read_json(files.run_json)
-    names, states, metas, missing, skipped = [], [], [], [], []
-    reference: tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None = None
+    expected = expected_shapes(run)
+    bundle = Ingredients([], [], [], [])
     for k in range(int(run["ingredients"])):
         name = ingredient_name(k)
         weights, meta_path = files.weights(name), files.meta(name)
         if not weights.exists() and not meta_path.exists():
-            missing.append(name)
+            bundle.missing.append(name)
             continue
         try:
             meta = read_json(meta_path)
             if meta.get("status") != "done":
-                missing.append(name)
+                bundle.missing.append(name)
                 continue
-            state = load_state(weights)
-            shapes = {key: tuple(v.shape) for key, v in state.items()}
-            if reference is None:
-                reference = (meta["recipe"], shapes)
-            elif meta["recipe"] != reference[0] or shapes != reference[1]:
-                raise LadleError(f"{weights} does not match the other ingredients (another recipe or architecture)")
+            difference = recipe_difference(meta.get("recipe", {}), run["recipe"])
+            if difference:
+                raise LadleError(f"{weights} does not match the run's recipe ({difference})")
+            state = check_weights(weights, expected)
         except LadleError as error:
             if not skip_bad:
                 raise LadleError(f"{error} (or pass --skip-bad to soup the rest)") from None
             log.warning("skipping %s: %s", name, error)
-            skipped.append(name)
+            bundle.skipped[name] = str(error)
             continue
-        names.append(name)
-        states.append(state)
-        metas.append(meta)
-    if not states:
-        raise LadleError(f"no finished ingredient in {run_dir} (missing: {', '.join(missing) or 'none'})")
-    if missing:
-        log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(states), run["ingredients"],
-                    ", ".join(missing))
-    return Ingredients(names, states, metas, missing, skipped)
+        bundle.names.append(name)
+        bundle.states.append(state)
+        bundle.metas.append(meta)
+    if not bundle.states:
+        raise LadleError(f"no finished ingredient in {run_dir} (missing: {', '.join(bundle.missing) or 'none'}"
+                         f"{', skipped: ' + ', '.join(bundle.skipped) if bundle.skipped else ''})")
+    if bundle.missing:
+        log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(bundle.states),
+                    run["ingredients"], ", ".join(bundle.missing))
+    return bundle

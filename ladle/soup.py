@@ -21,7 +21,8 @@ from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.evaluation import Evaluator, Metrics, SoupResult
 from ladle.report import format_table, write_report
-from ladle.rundir import AVERAGED, BASELINE, Ingredients, RunDir, load_ingredients, resolve_run_dir, soup_name
+from ladle.rundir import (AVERAGED, BASELINE, Ingredients, RunDir, check_free, load_ingredients, lock_run_dir,
+                          resolve_run_dir, soup_name)
 from ladle.soups import ALL, SOUPS, SoupInputs
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,11 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     This is the library call behind ``python -m ladle.soup``.
     """
     files = RunDir(resolve_run_dir(run_dir))
+    if write:
+        check_free(files.path)  # before the work; the write phase takes the lock
     run = read_json(files.run_json)
-    bundle = load_ingredients(files.path, skip_bad)
-    recipe = recipe_from_dict(bundle.metas[0]["recipe"])
+    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
+    recipe = recipe_from_dict(run["recipe"])
     options = recipe.soup
     method = method or options.method
     grid = grid or options.grid
@@ -78,11 +81,6 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     references = _references(files, bundle, evaluator, recompute)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, recompute, bundle.names, settings) for result in soups]
-    if write:
-        for result, row in zip(soups, soup_rows):
-            save_state(files.weights(row["name"]), result.state)
-            write_json(files.meta(row["name"]), {k: v for k, v in row.items() if k != "curves"}
-                       | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
     report = {
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
@@ -96,7 +94,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "views": [m.get("view", {}) for m in bundle.metas],
     }
     if write:
-        write_report(files.path, report)
+        with lock_run_dir(files.path, "ladle.soup"):  # the write phase: soups, then the report
+            for result, row in zip(soups, soup_rows):
+                save_state(files.weights(row["name"]), result.state)
+                write_json(files.meta(row["name"]), {k: v for k, v in row.items() if k != "curves"}
+                           | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
+            write_report(files.path, report)
     return report
 
 

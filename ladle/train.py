@@ -16,7 +16,7 @@ from ladle.config import Recipe, add_recipe_arguments, recipe_from_args
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.launch import resume_run, train_ingredients
-from ladle.rundir import AVERAGED, RunDir, averaging_run_dir
+from ladle.rundir import AVERAGED, RunDir, averaging_run_dir, check_free, lock_run_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
 def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
     torch.set_num_threads(args.workers or torch.get_num_threads())
-    data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
     run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
+    check_free(run_dir)
+    data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
     run_dir.mkdir(parents=True, exist_ok=True)
-    meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir)
+    with lock_run_dir(run_dir, "ladle.train --average-every"):
+        meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir)
     print(f"averaged every {args.average_every} epochs, K={args.ingredients}: val {meta['val_acc']:.4f} "
           f"test {meta['test_acc']:.4f}, {meta.get('bytes', 0) / 1e6:.1f} MB sent, {meta['seconds']:.1f} s")
     print(f"written: {RunDir(run_dir).weights(AVERAGED)}")

@@ -1,8 +1,11 @@
 """Nothing foreign runs, nothing silently mixed: a pickle-free dataset cache, recipe names that stay in
 their folder, finite numbers only, shards keyed by the dataset files with the data root checked every
-time, and the cache listed and pruned."""
+time, the cache listed and pruned, ingredients checked against the run's own recipe, damaged checkpoints
+retrained on resume, skipped ingredients reported, and a stale ``checkpoints/latest`` named."""
 from __future__ import annotations
 
+import json
+import logging
 import os
 import pathlib
 import shutil
@@ -14,12 +17,17 @@ import pytest
 import torch
 
 from conftest import run_module
+from ladle.checkpoints import load_state, save_state
 from ladle.config import load_recipe
 from ladle.data import dataset_identity, load_dataset
 from ladle.errors import LadleError, run_cli
+from ladle.launch import resume_run, train_ingredients
+from ladle.models import build_model
 from ladle.prepare import cache_entries
 from ladle.prepare import main as prepare_main
+from ladle.rundir import resolve_run_dir, update_latest
 from ladle.shards import load_shard, prepare_shards, shard_key
+from ladle.soup import soup_run
 
 RANDOM_2 = ["view.kind=random"]
 
@@ -231,3 +239,83 @@ def test_a_recipe_path_that_is_a_directory(tmp_path: Path) -> None:
     for path in (tmp_path, tmp_path / "looks.yaml"):
         with pytest.raises(LadleError, match="is a directory, not a recipe file"):
             load_recipe(str(path))
+
+
+# ------------------------------------------------------------------ 3. every ingredient checked against run.json
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run: two Cora ingredients on the full graph (hidden 64), 3 epochs each."""
+    return train_ingredients(load_recipe(None, ["view.kind=full", "epochs=3"]), ingredients=2, workers=1,
+                             data_root=data_root, run_dir=tmp_path_factory.mktemp("security") / "run").run_dir
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run, target, symlinks=True)
+    return target
+
+
+def test_a_foreign_first_ingredient_is_the_one_named_and_skipped(finished_run: Path, data_root: Path,
+                                                                 tmp_path: Path, cora_data) -> None:
+    run = _copy(finished_run, tmp_path)
+    meta = json.loads((run / "ingredient-00.json").read_text())
+    meta["recipe"]["hidden"] = 32  # ingredient-00 and its JSON copied in from a run with another width
+    (run / "ingredient-00.json").write_text(json.dumps(meta))
+    foreign = build_model(load_recipe(None, ["hidden=32"]), cora_data.num_features, cora_data.num_classes)
+    save_state(run / "ingredient-00.safetensors", foreign.state_dict())
+    with pytest.raises(LadleError) as error:
+        soup_run(run, method="uniform", data_root=data_root, write=False)
+    assert "ingredient-00.safetensors does not match the run's recipe (hidden 32, run.json 64)" in str(error.value)
+    assert "ingredient-01" not in str(error.value)
+    report = soup_run(run, method="uniform", skip_bad=True, data_root=data_root)
+    assert list(report["skipped"]) == ["ingredient-00"]
+    assert [row["name"] for row in report["ingredients"]] == ["ingredient-01"]
+    soup, genuine = load_state(run / "soup-uniform.safetensors"), load_state(run / "ingredient-01.safetensors")
+    assert soup.keys() == genuine.keys() and all(torch.equal(soup[key], genuine[key]) for key in soup)
+    assert json.loads((run / "soup-uniform.json").read_text())["recipe"]["hidden"] == 64
+
+
+# ------------------------------------------------------------------ 7. resume, the report and latest say what they see
+
+
+def test_resume_trains_a_truncated_checkpoint_again(finished_run: Path, data_root: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    run = _copy(finished_run, tmp_path)
+    weights = run / "ingredient-01.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    untouched = (run / "ingredient-00.safetensors").stat().st_mtime_ns
+    with caplog.at_level(logging.WARNING):
+        result = resume_run(run, workers=1, data_root=data_root)
+    assert not result.failed and [meta["name"] for meta in result.ingredients] == ["ingredient-00", "ingredient-01"]
+    assert "ingredient-01 will be trained again: checkpoint" in caplog.text and "corrupt or truncated" in caplog.text
+    expected = load_state(finished_run / "ingredient-01.safetensors")
+    retrained = load_state(weights)
+    assert all(torch.equal(expected[key], retrained[key]) for key in expected)
+    assert (run / "ingredient-00.safetensors").stat().st_mtime_ns == untouched
+
+
+def test_the_report_lists_what_skip_bad_left_out(finished_run: Path, data_root: Path, tmp_path: Path) -> None:
+    run = _copy(finished_run, tmp_path)
+    weights = run / "ingredient-01.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    soup_run(run, method="uniform", skip_bad=True, data_root=data_root)
+    why = json.loads((run / "report.json").read_text())["skipped"]["ingredient-01"]
+    assert "ingredient-01.safetensors is corrupt or truncated" in why
+    assert f"- ingredient-01: {why}" in (run / "report.md").read_text()
+
+
+def test_a_real_latest_directory_is_named_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "checkpoints"
+    stale = root / "latest"
+    stale.mkdir(parents=True)
+    (stale / "run.json").write_text("{}")
+    (root / "new").mkdir()
+    with caplog.at_level(logging.WARNING):
+        update_latest(root, root / "new")
+    assert [r.getMessage() for r in caplog.records] == [f"{stale} is a real directory, not updated: remove it"]
+    assert stale.is_dir() and not stale.is_symlink()
+    with pytest.raises(LadleError, match="latest is a real directory, not a link to the newest run: remove it"):
+        resolve_run_dir(None, root)
+    assert resolve_run_dir(stale, root) == stale.resolve()  # named with --run-dir, it is used

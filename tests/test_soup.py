@@ -289,7 +289,7 @@ def test_corrupt_ingredient_is_named_or_skipped(cora_run: Path, data_root: Path,
     with pytest.raises(LadleError, match="ingredient-02.safetensors is corrupt or truncated"):
         soup_run(run, method="uniform", data_root=data_root, write=False)
     report = soup_run(run, method="uniform", skip_bad=True, data_root=data_root, write=False)
-    assert report["skipped"] == ["ingredient-02"] and len(report["ingredients"]) == 3
+    assert list(report["skipped"]) == ["ingredient-02"] and len(report["ingredients"]) == 3
 
 
 def test_mismatched_ingredient_is_refused(cora_run: Path, data_root: Path, tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_mismatched_ingredient_is_refused(cora_run: Path, data_root: Path, tmp_p
     state = load_state(run / "ingredient-01.safetensors")
     state["convs.0.lin.weight"] = torch.zeros(32, state["convs.0.lin.weight"].size(1))
     save_state(run / "ingredient-01.safetensors", state)
-    with pytest.raises(LadleError, match="does not match the other ingredients"):
+    with pytest.raises(LadleError, match="does not match the run's recipe"):
         soup_run(run, method="uniform", data_root=data_root, write=False)
 
 

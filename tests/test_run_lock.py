@@ -1,0 +1,128 @@
+"""A run directory has one owner at a time: train, resume, averaging and the soup's writes hold its lock, a
+second process is refused in one line naming the first, and a directory that holds another run is refused
+unless ``--resume``."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT, run_module
+from ladle.config import load_recipe
+from ladle.errors import LadleError
+from ladle.launch import train_ingredients
+from ladle.rundir import lock_run_dir
+from ladle.soup import soup_run
+
+FULL = ["view.kind=full", "epochs=3"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run: two Cora ingredients on the full graph, 3 epochs each."""
+    return train_ingredients(load_recipe(None, FULL), ingredients=2, workers=1, data_root=data_root,
+                             run_dir=tmp_path_factory.mktemp("lock") / "run").run_dir
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run, target, symlinks=True)
+    return target
+
+
+def _files(run: Path) -> dict[str, int]:
+    """Modification time of every file of a run but its lock file (which records each owner)."""
+    return {path.name: path.stat().st_mtime_ns for path in run.iterdir() if path.name != "run.lock"}
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr.strip()
+
+
+def _train(*args: str, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """``python -m ladle.train args`` in its own process group (so the test can kill it and its workers)."""
+    return subprocess.Popen([sys.executable, "-m", "ladle.train", *args], cwd=PROJECT, stdout=subprocess.DEVNULL,
+                            stderr=stderr, text=True, start_new_session=True)
+
+
+def test_a_second_train_is_refused_while_the_first_runs(data_root: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["-k", "1", "--workers", "1", "view.kind=full", "epochs=100000", "patience=100000",
+            "--data-root", str(data_root), "--run-dir", str(run_dir)]
+    first = _train(*args)
+    second = None
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "run.json").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert first.poll() is None, "the first train stopped early"
+        second = _train(*args, stderr=subprocess.PIPE)
+        _, stderr = second.communicate(timeout=90)
+        error = _one_line(subprocess.CompletedProcess(second.args, second.returncode, "", stderr))
+        assert re.fullmatch(rf"error: run directory {re.escape(str(run_dir))} is in use by pid {first.pid} "
+                            r"\(ladle\.train since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\); wait for it to end or choose "
+                            r"another --run-dir", error), error
+    finally:
+        for process in (first, second):
+            if process is not None:
+                with contextlib.suppress(ProcessLookupError):  # the whole group: the train and its workers
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    with lock_run_dir(run_dir, "test"):  # the kernel dropped the killed owner's lock
+        pass
+
+
+def test_resume_averaging_and_soup_are_refused_while_another_owns_the_run(finished_run: Path, data_root: Path,
+                                                                          tmp_path: Path) -> None:
+    run = _copy(finished_run, tmp_path)
+    before = _files(run)
+    commands = [("ladle.train", "--resume"), ("ladle.train", "--average-every", "2", "-k", "2", *FULL),
+                ("ladle.soup", "--method", "uniform")]
+    with lock_run_dir(run, "ladle.train"):
+        for command in commands:
+            error = _one_line(run_module(*command, "--run-dir", str(run), "--data-root", str(data_root)))
+            assert f"run directory {run} is in use by pid {os.getpid()} (ladle.train since " in error, error
+        with pytest.raises(LadleError, match="is in use by pid"):  # another open of the lock, in this process
+            soup_run(run, method="uniform", data_root=data_root)
+    assert _files(run) == before
+    soup_run(run, method="uniform", data_root=data_root)  # released: the soup writes
+    assert (run / "soup-uniform.safetensors").is_file()
+
+
+def test_a_directory_holding_another_run_is_refused_unless_resumed(finished_run: Path, data_root: Path,
+                                                                   tmp_path: Path) -> None:
+    run = _copy(finished_run, tmp_path)
+    before = _files(run)
+    error = _one_line(run_module("ladle.train", "-k", "2", *FULL, "hidden=32", "--run-dir", str(run),
+                                 "--data-root", str(data_root)))
+    assert error == (f"error: run directory {run} already holds another run (hidden 32, run.json 64): finish it "
+                     "with --resume, or choose another --run-dir")
+    with pytest.raises(LadleError, match=r"another run \(ingredients 3, run.json 2; view.kind 'random', "
+                                         r"run.json 'full'\)"):
+        train_ingredients(load_recipe(None, [*FULL, "view.kind=random"]), ingredients=3, run_dir=run,
+                          data_root=data_root)
+    assert _files(run) == before
+    resumed = run_module("ladle.train", "--resume", "--run-dir", str(run), "--data-root", str(data_root))
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_planted_lock_link_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.lock").symlink_to(target)
+    with pytest.raises(LadleError, match=f"cannot lock run directory {run}: Too many levels of symbolic links"):
+        with lock_run_dir(run, "ladle.train"):
+            pass
+    assert target.read_text() == "keep"
