@@ -4,7 +4,8 @@ One invocation measures, on each dataset, K ingredients (full-graph GCN views) w
 1 worker x 1 thread (the baseline), 1 worker x 2 threads and 2 workers x 1 thread, as wall time
 (process start and data loading included) and ratios to the baseline; then the time of one
 full-batch training epoch (train step + validation forward) of ladle against a plain PyG loop
-(GCNConv on edge_index, cached normalisation) on the same graph, in the same process. Not a test:
+(GCNConv on edge_index, cached normalisation) on the same graph, in the same process. Prints Markdown
+tables and writes the raw figures to ``bench/results/throughput.json``. Not a test:
 
     python bench/throughput.py                       # Cora and Physics, K = 8
     python bench/throughput.py --datasets cora --epochs 100
@@ -20,11 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.nn import GCNConv
 
+from ladle.checkpoints import write_json
 from ladle.config import load_recipe
 from ladle.data import load_dataset
 from ladle.engine import IngredientTask, train_ingredient
 from ladle.launch import train_ingredients
+from ladle.resources import available_cores
 
+RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
 
 
@@ -81,6 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     lines = ["| dataset | K | epochs | configuration | wall s | ingredients/s | vs 1x1 |", "|---|---|---|---|---|---|---|"]
     epoch_lines = ["| dataset | plain PyG s/epoch | ladle s/epoch | ladle / PyG |", "|---|---|---|---|"]
+    raw: dict = {"settings": {k: v for k, v in vars(args).items() if k != "data_root"}, "cores": available_cores(),
+                 "torch": torch.__version__, "ingredients": args.ingredients, "runs": [], "epochs": []}
     for i, dataset in enumerate(args.datasets):
         epochs = args.epochs[min(i, len(args.epochs) - 1)]
         recipe = load_recipe(None, [f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"])
@@ -92,15 +98,20 @@ def main() -> None:
                                   run_dir=Path(scratch) / "run", data_root=args.data_root, save_every=0)
                 wall = time.perf_counter() - start
             base = base or wall
+            raw["runs"].append({"dataset": dataset, "epochs": epochs, "configuration": label, "workers": workers,
+                                "threads": threads, "wall_seconds": wall, "vs_1x1": base / wall})
             lines.append(f"| {dataset} | {args.ingredients} | {epochs} | {label} | {wall:.1f} | "
                          f"{args.ingredients / wall:.3f} | {base / wall:.2f}x |")
             print(lines[-1], flush=True)
         torch.set_num_threads(1)
         plain = plain_epoch_seconds(dataset, min(epochs, 50), args.data_root)
         ours = ladle_epoch_seconds(dataset, min(epochs, 50), args.data_root)
+        raw["epochs"].append({"dataset": dataset, "threads": 1, "plain_pyg_seconds": plain, "ladle_seconds": ours})
         epoch_lines.append(f"| {dataset} (1 thread) | {plain:.4f} | {ours:.4f} | {ours / plain:.2f} |")
         print(epoch_lines[-1], flush=True)
     print("\n".join(lines + [""] + epoch_lines))
+    RESULTS.mkdir(exist_ok=True)
+    write_json(RESULTS / "throughput.json", raw)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     write_bytes_report(out, title, entries)
     RESULTS.mkdir(exist_ok=True)
     raw = RESULTS / f"varrate-{args.dataset}.json"
-    write_json(raw, {"title": title, "command": " ".join(["python bench/varrate.py", *(argv or sys.argv[1:])]),
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "data_root")}  # no machine paths
+    write_json(raw, {"title": title, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
                      "cores": available_cores(), "torch": torch.__version__,
                      "runs": [{k: v for k, v in meta.items() if k != "run_dir"} for meta in metas],
                      "soup": [entry for entry in entries if entry["name"].startswith("soup")],
