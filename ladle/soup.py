@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"soup method (default all: {', '.join(ALL)})")
     parser.add_argument("--grid", type=int, help="alpha grid points for gis (default 21)")
     parser.add_argument("--search", choices=("grid", "fast"), help="alpha search for gis (default grid)")
-    parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc+loss)")
+    parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc: ties accepted, as Wortsman et al.)")
     parser.add_argument("--no-recompute-bn", dest="recompute_bn", action="store_false", default=None,
                         help="keep averaged batch-norm statistics instead of recomputing them")
     parser.add_argument("--skip-bad", action="store_true", help="skip corrupt or mismatched ingredients")

@@ -175,6 +175,43 @@ def test_gis_soup_follows_its_rule_on_real_ingredients(cora_run: Path, cora_data
         assert alpha == chosen[0] and _curve_key(chosen, metric) >= current
         current = _curve_key(chosen, metric)
     assert evaluator.validation(soup.state).key(metric) == current >= max(s.key(metric) for s in scores)
+    # the soup is exactly the mean of ``kept`` weighted by the products of the alphas, and nothing else
+    weights = {order[0]: 1.0}
+    for i, alpha in zip(order[1:], soup.alphas):
+        weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
+    assert soup.kept == [j for j, w in weights.items() if w > 0]
+    mixed = average([states[j] for j in soup.kept], [weights[j] for j in soup.kept])
+    assert all(torch.allclose(soup.state[k], mixed[k], atol=1e-6) for k in mixed)
+
+
+def _scalar_states(*values: float) -> list[StateDict]:
+    return [{"w": torch.tensor([value])} for value in values]
+
+
+def test_greedy_default_is_wortsmans_rule_ties_accepted() -> None:
+    """The default metric (``acc``) accepts an ingredient that ties on accuracy with a higher loss, as
+    Wortsman et al.'s greedy soup does; ``acc+loss`` rejects it; a drop in accuracy is rejected by both."""
+    assert load_recipe(None).soup.metric == "acc" == load_recipe("cora-gcn").soup.metric
+    states = _scalar_states(0.0, 1.0, 3.0)
+
+    def score(state: StateDict) -> Metrics:  # accuracy 0.8 while w <= 1 (then 0.7), loss grows with w
+        w = float(state["w"])
+        return Metrics(0.8 if w <= 1.0 else 0.7, 1.0 + w)
+
+    assert greedy_soup(states, [0, 1, 2], score, "acc").kept == [0, 1]  # 0.5 ties 0.8, mean 4/3 drops
+    assert greedy_soup(states, [0, 1, 2], score, "acc+loss").kept == [0]
+
+
+def test_gis_kept_lists_only_what_the_soup_contains() -> None:
+    """An alpha = 0 step replaces the soup by the ingredient: the ingredients before it are no longer in it."""
+    states = _scalar_states(0.0, 1.0, 1.0)
+
+    def score(state: StateDict) -> Metrics:  # the closer to w = 1, the better
+        return Metrics(1.0 - abs(float(state["w"]) - 1.0), 0.0)
+
+    soup = greedy_interpolation_soup(states, [0, 1, 2], score, "acc", grid=3)
+    assert soup.alphas == [0.0, 1.0]  # take ingredient 1 whole; then every alpha ties, the larger wins
+    assert soup.kept == [1] and torch.equal(soup.state["w"], states[1]["w"])
 
 
 @pytest.fixture(scope="module")
