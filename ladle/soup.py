@@ -50,7 +50,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
-    evaluator = Evaluator(recipe, data)
+    # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
+    evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None)
 
     def score(state: StateDict) -> Metrics:
         return evaluator.validation(state, recompute)

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from ladle import evaluation, learned
 from ladle.checkpoints import StateDict, load_state, save_state
 from ladle.config import SOUP_METRICS, load_recipe
 from ladle.data import load_dataset
 from ladle.errors import LadleError
 from ladle.evaluation import Evaluator, Metrics, average, metrics
 from ladle.launch import train_ingredients
-from ladle.models import build_model, graph_inputs
+from ladle.models import GNN, adjacency, build_model, graph_inputs
 from ladle.rundir import load_ingredients
 from ladle.soup import main as soup_main
 from ladle.soup import soup_run
@@ -116,6 +117,51 @@ def test_validation_neighbourhood_logits_equal_full_graph_logits(cora_data, over
     assert (evaluator.full_logits(state, recompute_bn=False)[cora_data.val_mask] - full).abs().max() <= 2e-6
     recomputed, whole = evaluator.validation(state), evaluator.split(state, "val_mask")  # statistics re-estimated
     assert recomputed.acc == whole.acc and abs(recomputed.loss - whole.loss) <= 2e-6
+    # layer-wise scoring (what big graphs and learned-partition use) gives the same logits and scores
+    layerwise = Evaluator(recipe, cora_data, layerwise=True)
+    every = layerwise.full_logits(state, recompute_bn=False)
+    with torch.no_grad():
+        assert (every - model(graph_inputs(cora_data, recipe.model))).abs().max() <= 1e-5  # float rounding
+    exact, scored = metrics(full, labels), layerwise.validation(state, recompute_bn=False)
+    assert scored.acc == exact.acc and abs(scored.loss - exact.loss) <= 2e-6
+    assert "val" not in vars(layerwise) and "full_adj" not in vars(layerwise)  # nothing whole-graph was built
+
+
+def test_evaluator_goes_layerwise_on_big_graphs(cora_data, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Evaluator(load_recipe(None), cora_data).layerwise
+    monkeypatch.setattr(evaluation, "LAYERWISE_NODES", cora_data.num_nodes)
+    assert Evaluator(load_recipe(None), cora_data).layerwise
+
+
+def test_learned_partition_never_builds_the_whole_graph(cora_run: Path, cora_data, data_root: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--method learned-partition``: no whole-graph normalised adjacency, no validation neighbourhood and
+    no model forward over the whole graph, anywhere in the soup step (scores are layer-wise)."""
+    whole = cora_data.num_nodes
+    sizes: list[int] = []
+
+    def spy_adjacency(edge_index, num_nodes, model):
+        assert num_nodes < whole, "a whole-graph adjacency was built"
+        sizes.append(num_nodes)
+        return adjacency(edge_index, num_nodes, model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the validation neighbourhood was built")
+
+    forward = GNN.forward
+
+    def spy_forward(self, inputs):
+        assert inputs.num_nodes < whole, "a whole-graph forward ran"
+        return forward(self, inputs)
+
+    monkeypatch.setattr(evaluation, "adjacency", spy_adjacency)
+    monkeypatch.setattr(learned, "adjacency", spy_adjacency)
+    monkeypatch.setattr(evaluation, "k_hop_subgraph", refuse)
+    monkeypatch.setattr(GNN, "forward", spy_forward)
+    report = soup_run(cora_run, method="learned-partition", data_root=data_root, write=False)
+    (soup,) = report["soups"]
+    assert soup["method"] == "learned-partition" and soup["test_acc"] > 0.7
+    assert sizes and max(sizes) < whole  # every step ran on a few parts
 
 
 def _curve_key(point: list[float] | tuple[float, float, float], metric: str) -> tuple[float, ...]:
