@@ -6,7 +6,7 @@ partition (``view.kind=metis``), and writes ``report.md`` and ``accuracy-bytes.p
 the raw figures (every run's metadata with its per-epoch history, the soup's entries) to
 ``bench/results/varrate-<dataset>.json``::
 
-    python bench/varrate.py                       # Coauthor Physics, K = 4, METIS (about 7 min on 2 busy cores)
+    python bench/varrate.py                       # Coauthor Physics, K = 4, METIS (about 14 min on 2 busy cores)
     python bench/varrate.py --dataset cora        # a quick run
 
 Bytes are every payload byte sent, summed over ranks, collectives counted as ring algorithms send them
