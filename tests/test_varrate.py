@@ -169,8 +169,9 @@ def _exact_step(rank: int, world: int, data_root: str, out: Path, models: list[s
         exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic())
         logits = partition_forward(model, shard.x, shard.plan, exchange)
         partition_loss(logits, shard).backward()
-        allreduce_gradients(model, Traffic())
-        torch.save({"owned": shard.plan.owned, "logits": logits.detach(),
+        traffic = Traffic()
+        allreduce_gradients(model, traffic)
+        torch.save({"owned": shard.plan.owned, "logits": logits.detach(), "allreduce": traffic.allreduce,
                     "grads": {name: p.grad for name, p in model.named_parameters()}}, out / f"{kind}-{rank}.pt")
 
 
@@ -244,6 +245,8 @@ def _assert_exact(out: Path, data: Data, world: int, models: list[str]) -> None:
             for name, grad in grads.items():
                 assert torch.allclose(result["grads"][name], grad, atol=1e-6, rtol=1e-4), (kind, rank, name)
             covered[result["owned"]] = True
+            numel = sum(grad.numel() for grad in grads.values())  # its ring share of the float32 gradients
+            assert result["allreduce"] == ring_allreduce_bytes(numel, 4, world, rank), (kind, rank)
         assert bool(covered.all())
 
 
