@@ -5,7 +5,8 @@ Not a test (CI has no GPU). On a machine with CUDA:
     python -m bench.gpu --data-root ../shared/datasets
 
 prints a Markdown table: seconds per epoch on Physics (ladle vs PyG GCNConv on edge_index, both on
-the GPU, same process) and the accuracy of K = 4 Cora ingredients trained on CUDA and their soups.
+the GPU, same process) and the accuracy of K = 4 Cora ingredients trained on CUDA and their soups, and
+writes the raw figures to ``bench/results/gpu.json``.
 """
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import PlainGCN
+from ladle.checkpoints import write_json
 from ladle.config import load_recipe
 from ladle.data import load_dataset
 from ladle.launch import train_ingredients
 from ladle.models import build_model, graph_inputs
 from ladle.soup import soup_run
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def epoch_seconds(step, epochs: int) -> float:
@@ -77,6 +81,12 @@ def main() -> None:
     soups = ", ".join(f"{s['method']} {100 * s['test_acc']:.1f}" for s in report["soups"])
     print(f"| Cora K=4 on CUDA | {seconds:.1f} s | mean ingredient {100 * report['mean_ingredient']['test_acc']:.1f} | "
           f"{soups} |")
+    RESULTS.mkdir(exist_ok=True)
+    write_json(RESULTS / "gpu.json", {
+        "settings": {k: v for k, v in vars(args).items() if k != "data_root"}, "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "physics_step_ms": {"ladle": ours * 1e3, "pyg": theirs * 1e3, "steps": args.epochs},
+        "cora_k4_cuda": {"wall_seconds": seconds, "mean_ingredient": report["mean_ingredient"]["test_acc"],
+                         "soups": {s["method"]: s["test_acc"] for s in report["soups"]}}})
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ K-way partition) and every ``average_every`` epochs all weights are replaced by 
 lockstep, an in-process stand-in for an all-reduce: each keeps its own RNG stream (saved and restored
 around its epoch), so trainer ``k`` draws exactly the dropout masks that ingredient ``k`` of
 :func:`ladle.engine.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
-as a ring all-reduce would send it: ``2 (K - 1) / K`` model sizes per trainer, i.e.
-``2 (K - 1) × model_bytes`` per average (model bytes: every floating-point entry of the state dict).
+as a ring all-reduce would send it (:func:`ladle.comm.ring_allreduce_bytes`, the convention of
+``ladle.varrate``): about ``2 (K - 1) / K`` model sizes per trainer, exactly ``2 (K - 1) × model_bytes``
+over all trainers per average (model bytes: every floating-point entry of the state dict).
 The averaged model is validated on the full graph after each average; the best one is kept (early
 stopping after ``patience`` epochs without improvement, as for ingredients).
 """
@@ -25,6 +26,7 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.checkpoints import StateDict, save_state, write_json
+from ladle.comm import ring_allreduce_bytes
 from ladle.config import Recipe
 from ladle.engine import BatchInputs, BestEpoch, check_ingredients, ingredient_seed, train_epoch
 from ladle.errors import LadleError
@@ -103,7 +105,7 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         "name": AVERAGED, "ingredients": ingredients, "average_every": average_every, "recipe": recipe.to_dict(),
         "views": [t.view.describe() for t in trainers],
         "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
-        "bytes_formula": "2 (K - 1) x model_bytes per average (ring all-reduce)", "lockstep": "in-process",
+        "bytes_formula": "ring all-reduce, summed over trainers: 2 (K - 1) x model_bytes per average (ladle.comm)", "lockstep": "in-process",
         "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "status": "done",
     }
     write_json(files.meta(AVERAGED), meta)
@@ -129,7 +131,8 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
             continue
         model_bytes = average_models(models)
         averages += 1
-        sent += 2 * (len(trainers) - 1) * model_bytes
+        # every trainer's ring share; their sum, 2 (K - 1) x model_bytes, does not depend on the chunking
+        sent += sum(ring_allreduce_bytes(model_bytes, 1, len(trainers), k) for k in range(len(trainers)))
         val = evaluate(models[0], full_inputs, data.y, data.val_mask)
         history.append({"epoch": epoch, "val_acc": val.acc, "val_loss": val.loss, "bytes": sent})
         if best.update(epoch, val, elapsed=epoch - last_average):  # stale: epochs since the previous average

@@ -34,7 +34,7 @@ class SoupConfig:
     method: str = "all"
     grid: int = 21
     search: str = "grid"
-    metric: str = "acc+loss"
+    metric: str = "acc"  # Wortsman et al.'s rule: accuracy alone, ties accepted
     recompute_bn: bool = True
 
     def __post_init__(self) -> None:

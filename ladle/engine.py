@@ -159,13 +159,16 @@ class Progress(BestEpoch):
 
 def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
                   progress: Progress) -> None:
-    """One atomic file: weights, best weights, optimiser state, RNG state, counters (in the header)."""
+    """One atomic file: weights, best weights, optimiser state, RNG states (CPU, and every GPU's when the
+    model is on CUDA: dropout there draws from the GPU's generator), counters (in the header)."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     tensors |= {f"best.{k}": v for k, v in best_state.items()}
     optim = optimizer.state_dict()
     for index, slots in optim["state"].items():
         tensors |= {f"optim.{index}.{name}": value for name, value in slots.items()}
     tensors["rng"] = torch.get_rng_state()
+    if next(model.parameters()).is_cuda:
+        tensors |= {f"rng.cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())}
     header = {"progress": json.dumps(asdict(progress)), "param_groups": json.dumps(optim["param_groups"])}
     save_state(task.progress_path, tensors, header)
 
@@ -184,6 +187,9 @@ def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
             state.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
     torch.set_rng_state(tensors["rng"])
+    cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states[:torch.cuda.device_count()])
     best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
     return Progress(**json.loads(header["progress"])), best_state
 

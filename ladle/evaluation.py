@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -103,22 +104,43 @@ def recompute_batch_norm(model: nn.Module, inputs: GraphInputs) -> None:
     model.eval()
 
 
+LAYERWISE_NODES = 100_000  # from this many nodes the soups score validation layer-wise on the whole graph
+
+
 class Evaluator:
     """Scores weights of one architecture on a graph's splits, cheaply.
 
-    Validation needs only the L-hop neighbourhood of the validation nodes: that sub-graph (with the
-    full graph's normalisation) is built once and every candidate is scored on it, exactly. Whole
-    splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at scale.
+    Whole splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at
+    scale. Validation, on small graphs, needs only the L-hop neighbourhood of the validation nodes: that
+    sub-graph (with the full graph's normalisation) is built once and every candidate is scored on it,
+    exactly. With ``layerwise`` (default: from :data:`LAYERWISE_NODES` nodes on, where that neighbourhood
+    is most of the graph) validation is layer-wise too, no whole-graph adjacency is ever built, and
+    batch-norm statistics are re-estimated on the training nodes layer by layer
+    (:meth:`~ladle.inference.LayerwiseInference.logits`). The neighbourhoods are built on first use.
     """
 
-    def __init__(self, recipe: Recipe, data: Data) -> None:
+    def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None) -> None:
         self.recipe, self.data = recipe, data
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.sparse_features = use_sparse_features(data.x, recipe.model)
-        self.full_adj = adjacency(data.edge_index, data.num_nodes, recipe.model)
+        self.layerwise = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
         self.inference = LayerwiseInference.from_data(data)
-        self.val = self._neighbourhood(data.val_mask)
-        self.train_hood = self._neighbourhood(data.train_mask) if self.model.has_batch_norm() else None
+        self.train_nodes = data.train_mask.nonzero().view(-1)
+
+    @cached_property
+    def full_adj(self) -> Tensor | SparseMatrix:
+        """The whole graph's normalised adjacency (for the neighbourhoods' exact normalisation)."""
+        return adjacency(self.data.edge_index, self.data.num_nodes, self.recipe.model)
+
+    @cached_property
+    def val(self) -> tuple[GraphInputs, Tensor, Tensor]:
+        """The validation neighbourhood: inputs, labels of the validation nodes, where they are in it."""
+        return self._neighbourhood(self.data.val_mask)
+
+    @cached_property
+    def train_hood(self) -> tuple[GraphInputs, Tensor, Tensor]:
+        """The training neighbourhood, where batch-norm statistics are re-estimated."""
+        return self._neighbourhood(self.data.train_mask)
 
     def _neighbourhood(self, mask: Tensor) -> tuple[GraphInputs, Tensor, Tensor]:
         """Inputs of the L-hop sub-graph around ``mask``'s nodes, their labels, and where they are."""
@@ -130,16 +152,26 @@ class Evaluator:
         adj = edge_index if isinstance(self.full_adj, Tensor) else select(self.full_adj, nodes)
         return GraphInputs(features, adj, nodes.numel()), self.data.y[seeds], mapping
 
+    def _recomputes(self, recompute_bn: bool) -> bool:
+        return recompute_bn and self.model.has_batch_norm()
+
     @torch.no_grad()
     def full_logits(self, state: StateDict, recompute_bn: bool = True) -> Tensor:
         """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
+        if self.layerwise:
+            self.model.load_state_dict(state)
+            bn_nodes = self.train_nodes if self._recomputes(recompute_bn) else None
+            return self.inference.logits(self.model, bn_nodes)
         return self.inference.logits(self.load(state, recompute_bn))
 
     def load(self, state: StateDict, recompute_bn: bool = True) -> GNN:
-        """The model holding ``state``; batch-norm statistics recomputed on the training neighbourhood."""
+        """The model holding ``state``; batch-norm statistics recomputed on the training nodes."""
         self.model.load_state_dict(state)
-        if recompute_bn and self.train_hood is not None:
-            recompute_batch_norm(self.model, self.train_hood[0])
+        if self._recomputes(recompute_bn):
+            if self.layerwise:
+                self.inference.logits(self.model, self.train_nodes)
+            else:
+                recompute_batch_norm(self.model, self.train_hood[0])
         return self.model
 
     @torch.no_grad()
@@ -149,7 +181,9 @@ class Evaluator:
         return model(inputs)
 
     def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
-        """Validation accuracy and loss of ``state`` (on the validation neighbourhood)."""
+        """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise)."""
+        if self.layerwise:
+            return self.split(state, "val_mask", recompute_bn)
         inputs, y, where = self.val
         return metrics(self.logits(state, inputs, recompute_bn)[where], y)
 

@@ -15,7 +15,9 @@ is split into ``parts`` METIS parts; each step is one forward/backward on the in
 ``parts_per_step`` random parts (ClusterGCN normalisation, cut edges dropped), an epoch visits every
 part once, and the held-out score is a no-grad pass over fixed groups of parts. Every forward then
 touches about ``parts_per_step / parts`` of the graph, so the soup can be learned where the validation
-neighbourhood does not fit one worker's memory.
+neighbourhood does not fit one worker's memory: it never builds the whole graph's normalised adjacency,
+its validation neighbourhood or a whole-graph forward (``ladle.soup`` scores this method's candidates
+layer-wise); what it holds of the whole graph is the unnormalised in-edge CSR that METIS reads.
 Mixed batch-norm statistics are used as they are while learning (models run in eval mode, so the loss
 is deterministic); :func:`ladle.soup.soup_run` recomputes them for the final soup. Both methods
 register in :data:`ladle.soups.SOUPS` (``learned-partition`` is not part of ``all``).
@@ -33,7 +35,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call
 from torch_geometric.data import Data
-from torch_geometric.utils import subgraph
 from tqdm import tqdm
 
 from ladle.checkpoints import StateDict
@@ -153,7 +154,7 @@ class _Partitions:
         self.members, self.parts_per_step = view.members, parts_per_step
         self.generator = torch.Generator().manual_seed(seed)
         self.features = data.x.to_sparse() if evaluator.sparse_features else data.x  # COO: fast row selection
-        self.edge_index, self.num_nodes = data.edge_index, data.num_nodes
+        self.graph = view.adj  # the in-edge CSR METIS read: each step's induced subgraph comes from its rows
         val_nodes = data.val_mask.nonzero().view(-1)
         # Only validation labels are copied; every other node reads -1 and is never a target.
         self.labels = torch.full((data.num_nodes,), -1, dtype=torch.long)
@@ -179,7 +180,7 @@ class _Partitions:
             x = SparseMatrix(*rows._indices(), rows._values(), (nodes.numel(), self.features.size(1)))
         else:
             x = self.features[nodes]
-        edge_index, _ = subgraph(nodes, self.edge_index, relabel_nodes=True, num_nodes=self.num_nodes)
+        edge_index, _ = self.graph.induced(nodes)
         return GraphInputs(x, adjacency(edge_index, nodes.numel(), self.kind), nodes.numel())
 
     def run_epoch(self, logits: Tensor, optimizer: torch.optim.Optimizer) -> Metrics:

@@ -139,10 +139,13 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
     for row in meta["history"]:
         halo += row["forward_halo"] + row["backward_halo"]
         halo_curve.append((halo, row["best_test_acc"]))
-    return {"name": name, "test_acc": meta["test_acc"], "bytes": meta["bytes"]["training"], "halo_bytes": halo,
-            "allreduce_bytes": meta["bytes"]["allreduce"], "step_seconds": seconds["step"],
+    sent = meta["bytes"]
+    return {"name": name, "test_acc": meta["test_acc"], "bytes": sent["total"], "halo_bytes": halo,
+            "allreduce_bytes": sent["allreduce"], "eval_bytes": sent["eval_halo"],
+            "other_bytes": sent["metrics"] + sent["setup"], "step_seconds": seconds["step"],
             "eval_seconds": seconds["eval"], "epochs": meta["epochs_run"],
-            "curve": [(row["training_bytes"], row["best_test_acc"]) for row in meta["history"]],
+            "note": f"evaluated every {meta['eval_every']} epochs ({meta['evaluations']} times)",
+            "curve": [(row["total_bytes"], row["best_test_acc"]) for row in meta["history"]],
             "halo_curve": halo_curve}
 
 
@@ -151,20 +154,23 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
     against the cumulative bytes sent while training (left) and against the halo bytes alone (right),
     one curve per entry, or a star for an entry without a curve (the soup).
 
-    Entries: ``name``, ``test_acc``, ``bytes``, and optionally ``halo_bytes``, ``allreduce_bytes``,
-    ``step_seconds`` and ``eval_seconds`` (per epoch), ``epochs``, ``curve`` and ``halo_curve`` (lists of
+    Entries: ``name``, ``test_acc``, ``bytes`` (everything sent), and optionally its parts ``halo_bytes``,
+    ``allreduce_bytes``, ``eval_bytes``, ``other_bytes``, ``step_seconds`` (per epoch) and ``eval_seconds``
+    (per evaluation), ``epochs``, ``curve`` and ``halo_curve`` (lists of
     ``(cumulative bytes, best-validation test accuracy so far)``) and ``note``.
     """
     def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
         return format(entry[key], fmt) if entry.get(key) is not None else "-"
 
-    lines = [f"# {title}", "", "Test accuracy at the best-validation epoch against the bytes sent while training "
-             "(forward halo + backward halo + gradient all-reduce, summed over ranks).", "",
-             "| run | test acc | training bytes | halo bytes | all-reduce bytes | step s/epoch | eval s/epoch | epochs "
-             "| note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# {title}", "", "Test accuracy at the best-validation evaluation against every byte sent, summed "
+             "over ranks: total = training halo (forward + backward) + gradient all-reduce + evaluation halo + "
+             "other (metric reductions, setup); collectives counted as ring algorithms send them.", "",
+             "| run | test acc | total bytes | halo bytes | all-reduce bytes | eval bytes | other bytes | step s/epoch "
+             "| eval s/evaluation | epochs | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in entries:
         lines.append(f"| {entry['name']} | {entry['test_acc']:.4f} | {entry['bytes']:,} | "
                      f"{cell(entry, 'halo_bytes', ',')} | {cell(entry, 'allreduce_bytes', ',')} | "
+                     f"{cell(entry, 'eval_bytes', ',')} | {cell(entry, 'other_bytes', ',')} | "
                      f"{cell(entry, 'step_seconds', '.3f')} | {cell(entry, 'eval_seconds', '.3f')} | "
                      f"{cell(entry, 'epochs', 'd')} | "
                      f"{entry.get('note', '')} |")
@@ -192,7 +198,7 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
                 axis.plot([final], [entry["test_acc"]], "o", color=colour)
             elif axis is total_axis:  # a run that sent nothing on this axis cannot sit on a log scale
                 axis.plot([max(1, final)], [entry["test_acc"]], "*", ms=12, color=colour, label=entry["name"])
-    total_axis.set_xlabel("cumulative bytes sent while training (halo + all-reduce)")
+    total_axis.set_xlabel("cumulative bytes sent (everything)")
     halo_axis.set_xlabel("cumulative halo bytes (forward + backward)")
     total_axis.set_ylabel("test accuracy (best validation so far)")
     for axis in (total_axis, halo_axis):

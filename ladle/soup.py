@@ -53,7 +53,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
-    evaluator = Evaluator(recipe, data)
+    # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
+    evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None)
 
     def score(state: StateDict) -> Metrics:
         return evaluator.validation(state, recompute)
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"soup method (default all: {', '.join(ALL)})")
     parser.add_argument("--grid", type=int, help="alpha grid points for gis (default 21)")
     parser.add_argument("--search", choices=("grid", "fast"), help="alpha search for gis (default grid)")
-    parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc+loss)")
+    parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc: ties accepted, as Wortsman et al.)")
     parser.add_argument("--no-recompute-bn", dest="recompute_bn", action="store_false", default=None,
                         help="keep averaged batch-norm statistics instead of recomputing them")
     parser.add_argument("--skip-bad", action="store_true", help="skip corrupt or mismatched ingredients")

@@ -30,7 +30,8 @@ def uniform_soup(states: Sequence[StateDict]) -> StateDict:
 
 def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str) -> SoupResult:
     """Wortsman et al.: walk ingredients best-first; add one to the running mean only if the
-    validation score (``metric``) does not drop. Starts from the best ingredient."""
+    validation score (``metric``) does not drop (a tie is accepted: with ``acc``, the default, this is
+    the paper's rule). Starts from the best ingredient."""
     kept = [order[0]]
     best = score(states[order[0]]).key(metric)
     evaluations = 1
@@ -84,16 +85,19 @@ def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int],
                               grid: int = 21, fast: bool = False) -> SoupResult:
     """Graph Ladling's GIS: start from the best ingredient; for each next one (best-first) keep
     ``alpha * soup + (1 - alpha) * ingredient`` with the alpha of best validation score. alpha = 1
-    (keep the soup) is always a candidate, so the validation score never drops."""
+    (keep the soup) is always a candidate, so the validation score never drops. ``kept``: the
+    ingredients the soup contains (a step with alpha = 0 discards those before it)."""
     soup = states[order[0]]
     evaluations, alphas, curves = 0, [], []
+    weights = {order[0]: 1.0}  # each ingredient's share of the soup
     for i in order[1:]:
         alpha, tried = search_alpha(soup, states[i], score, metric, grid, fast)
         evaluations += len(tried)
         alphas.append(alpha)
         curves.append([(a, m.acc, m.loss) for a, m in tried])
         soup = interpolate(soup, states[i], alpha)
-    kept = [order[0]] + [i for i, a in zip(order[1:], alphas) if a < 1.0]
+        weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
+    kept = [j for j, w in weights.items() if w > 0]
     return SoupResult("gis", soup, evaluations, kept, alphas, curves)
 
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from ladle import evaluation, learned
 from ladle.checkpoints import StateDict, load_state, save_state
 from ladle.config import SOUP_METRICS, load_recipe
 from ladle.data import load_dataset
 from ladle.errors import LadleError
 from ladle.evaluation import Evaluator, Metrics, average, metrics
 from ladle.launch import train_ingredients
-from ladle.models import build_model, graph_inputs
+from ladle.models import GNN, adjacency, build_model, graph_inputs
 from ladle.rundir import load_ingredients
 from ladle.soup import main as soup_main
 from ladle.soup import soup_run
@@ -116,6 +117,51 @@ def test_validation_neighbourhood_logits_equal_full_graph_logits(cora_data, over
     assert (evaluator.full_logits(state, recompute_bn=False)[cora_data.val_mask] - full).abs().max() <= 2e-6
     recomputed, whole = evaluator.validation(state), evaluator.split(state, "val_mask")  # statistics re-estimated
     assert recomputed.acc == whole.acc and abs(recomputed.loss - whole.loss) <= 2e-6
+    # layer-wise scoring (what big graphs and learned-partition use) gives the same logits and scores
+    layerwise = Evaluator(recipe, cora_data, layerwise=True)
+    every = layerwise.full_logits(state, recompute_bn=False)
+    with torch.no_grad():
+        assert (every - model(graph_inputs(cora_data, recipe.model))).abs().max() <= 1e-5  # float rounding
+    exact, scored = metrics(full, labels), layerwise.validation(state, recompute_bn=False)
+    assert scored.acc == exact.acc and abs(scored.loss - exact.loss) <= 2e-6
+    assert "val" not in vars(layerwise) and "full_adj" not in vars(layerwise)  # nothing whole-graph was built
+
+
+def test_evaluator_goes_layerwise_on_big_graphs(cora_data, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Evaluator(load_recipe(None), cora_data).layerwise
+    monkeypatch.setattr(evaluation, "LAYERWISE_NODES", cora_data.num_nodes)
+    assert Evaluator(load_recipe(None), cora_data).layerwise
+
+
+def test_learned_partition_never_builds_the_whole_graph(cora_run: Path, cora_data, data_root: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--method learned-partition``: no whole-graph normalised adjacency, no validation neighbourhood and
+    no model forward over the whole graph, anywhere in the soup step (scores are layer-wise)."""
+    whole = cora_data.num_nodes
+    sizes: list[int] = []
+
+    def spy_adjacency(edge_index, num_nodes, model):
+        assert num_nodes < whole, "a whole-graph adjacency was built"
+        sizes.append(num_nodes)
+        return adjacency(edge_index, num_nodes, model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the validation neighbourhood was built")
+
+    forward = GNN.forward
+
+    def spy_forward(self, inputs):
+        assert inputs.num_nodes < whole, "a whole-graph forward ran"
+        return forward(self, inputs)
+
+    monkeypatch.setattr(evaluation, "adjacency", spy_adjacency)
+    monkeypatch.setattr(learned, "adjacency", spy_adjacency)
+    monkeypatch.setattr(evaluation, "k_hop_subgraph", refuse)
+    monkeypatch.setattr(GNN, "forward", spy_forward)
+    report = soup_run(cora_run, method="learned-partition", data_root=data_root, write=False)
+    (soup,) = report["soups"]
+    assert soup["method"] == "learned-partition" and soup["test_acc"] > 0.7
+    assert sizes and max(sizes) < whole  # every step ran on a few parts
 
 
 def _curve_key(point: list[float] | tuple[float, float, float], metric: str) -> tuple[float, ...]:
@@ -175,6 +221,43 @@ def test_gis_soup_follows_its_rule_on_real_ingredients(cora_run: Path, cora_data
         assert alpha == chosen[0] and _curve_key(chosen, metric) >= current
         current = _curve_key(chosen, metric)
     assert evaluator.validation(soup.state).key(metric) == current >= max(s.key(metric) for s in scores)
+    # the soup is exactly the mean of ``kept`` weighted by the products of the alphas, and nothing else
+    weights = {order[0]: 1.0}
+    for i, alpha in zip(order[1:], soup.alphas):
+        weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
+    assert soup.kept == [j for j, w in weights.items() if w > 0]
+    mixed = average([states[j] for j in soup.kept], [weights[j] for j in soup.kept])
+    assert all(torch.allclose(soup.state[k], mixed[k], atol=1e-6) for k in mixed)
+
+
+def _scalar_states(*values: float) -> list[StateDict]:
+    return [{"w": torch.tensor([value])} for value in values]
+
+
+def test_greedy_default_is_wortsmans_rule_ties_accepted() -> None:
+    """The default metric (``acc``) accepts an ingredient that ties on accuracy with a higher loss, as
+    Wortsman et al.'s greedy soup does; ``acc+loss`` rejects it; a drop in accuracy is rejected by both."""
+    assert load_recipe(None).soup.metric == "acc" == load_recipe("cora-gcn").soup.metric
+    states = _scalar_states(0.0, 1.0, 3.0)
+
+    def score(state: StateDict) -> Metrics:  # accuracy 0.8 while w <= 1 (then 0.7), loss grows with w
+        w = float(state["w"])
+        return Metrics(0.8 if w <= 1.0 else 0.7, 1.0 + w)
+
+    assert greedy_soup(states, [0, 1, 2], score, "acc").kept == [0, 1]  # 0.5 ties 0.8, mean 4/3 drops
+    assert greedy_soup(states, [0, 1, 2], score, "acc+loss").kept == [0]
+
+
+def test_gis_kept_lists_only_what_the_soup_contains() -> None:
+    """An alpha = 0 step replaces the soup by the ingredient: the ingredients before it are no longer in it."""
+    states = _scalar_states(0.0, 1.0, 1.0)
+
+    def score(state: StateDict) -> Metrics:  # the closer to w = 1, the better
+        return Metrics(1.0 - abs(float(state["w"]) - 1.0), 0.0)
+
+    soup = greedy_interpolation_soup(states, [0, 1, 2], score, "acc", grid=3)
+    assert soup.alphas == [0.0, 1.0]  # take ingredient 1 whole; then every alpha ties, the larger wins
+    assert soup.kept == [1] and torch.equal(soup.state["w"], states[1]["w"])
 
 
 @pytest.fixture(scope="module")

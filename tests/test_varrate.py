@@ -24,6 +24,7 @@ from torch.multiprocessing import start_processes
 from torch_geometric.data import Data
 
 from conftest import PROJECT, run_module
+from ladle.comm import ring_allreduce_bytes, ring_broadcast_bytes, ring_chunks
 from ladle.config import load_recipe
 from ladle.data import load_dataset
 from ladle.errors import LadleError
@@ -168,8 +169,9 @@ def _exact_step(rank: int, world: int, data_root: str, out: Path, models: list[s
         exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic())
         logits = partition_forward(model, shard.x, shard.plan, exchange)
         partition_loss(logits, shard).backward()
-        allreduce_gradients(model, Traffic())
-        torch.save({"owned": shard.plan.owned, "logits": logits.detach(),
+        traffic = Traffic()
+        allreduce_gradients(model, traffic)
+        torch.save({"owned": shard.plan.owned, "logits": logits.detach(), "allreduce": traffic.allreduce,
                     "grads": {name: p.grad for name, p in model.named_parameters()}}, out / f"{kind}-{rank}.pt")
 
 
@@ -243,6 +245,8 @@ def _assert_exact(out: Path, data: Data, world: int, models: list[str]) -> None:
             for name, grad in grads.items():
                 assert torch.allclose(result["grads"][name], grad, atol=1e-6, rtol=1e-4), (kind, rank, name)
             covered[result["owned"]] = True
+            numel = sum(grad.numel() for grad in grads.values())  # its ring share of the float32 gradients
+            assert result["allreduce"] == ring_allreduce_bytes(numel, 4, world, rank), (kind, rank)
         assert bool(covered.all())
 
 
@@ -255,11 +259,28 @@ def test_full_exchange_equals_full_graph_training_on_4_ranks(data_root: Path, co
     _assert_exact(tmp_path, cora_data, 4, ["gcn"])
 
 
+def test_ring_collective_bytes() -> None:
+    """The ring convention by hand: K chunks (the first n % K one item longer); rank r sends all chunks
+    but (r+1) % K in the reduce-scatter and all but (r+2) % K in the all-gather."""
+    assert ring_chunks(10, 3) == [4, 3, 3] and ring_chunks(2, 4) == [1, 1, 0, 0]
+    assert [ring_allreduce_bytes(10, 4, 3, r) for r in range(3)] == [4 * (20 - 3 - 3), 4 * (20 - 3 - 4),
+                                                                      4 * (20 - 4 - 3)]
+    for numel, world in [(67, 2), (67, 4), (1000, 4), (5, 8), (1, 3)]:
+        shares = [ring_allreduce_bytes(numel, 4, world, r) for r in range(world)]
+        assert sum(shares) == 2 * (world - 1) * numel * 4  # all ranks: exactly 2 (K - 1) buffers
+        if numel % world == 0:
+            assert shares == [2 * (world - 1) * numel * 4 // world] * world  # 2 (K - 1) / K of it each
+    assert ring_allreduce_bytes(67, 4, 2, 0) == 268 and ring_allreduce_bytes(67, 4, 1, 0) == 0
+    assert [ring_broadcast_bytes(80, 4, r, src=0) for r in range(4)] == [80, 80, 80, 0]
+    assert [ring_broadcast_bytes(80, 3, r, src=1) for r in range(3)] == [0, 80, 80]
+
+
 def test_bytes_match_the_hand_count(two_ranks: Path) -> None:
     rank0, rank1 = (torch.load(two_ranks / f"bytes-{r}.pt") for r in range(2))
     # The GCN is 4 -> 8 -> 3: layer 0 exchanges 8 columns, layer 1 exchanges 3. Forward, rank 0 sends one
     # row (node 2) and rank 1 two (nodes 3, 4); backward, each returns the gradients of the rows it
-    # received (rank 0 two, rank 1 one). Parameters: 4*8 + 8 + 8*3 + 3 = 67 floats = 268 bytes a rank.
+    # received (rank 0 two, rank 1 one). Parameters: 4*8 + 8 + 8*3 + 3 = 67 floats = 268 bytes; a ring
+    # all-reduce on 2 ranks sends 2 (2 - 1) / 2 of them a rank: 268 bytes (the chunks are 34 + 33 floats).
     # Columns a row, layer 0 + layer 1, at each setting (4 bytes a float, 1 byte an int8):
     #   rate 1: 8 + 3 floats = 44 B            truncate / mask at 4: int(8/4)=2 + max(1, int(3/4))=1 floats = 12 B
     #   int8 at 4: (8 + 4) + (3 + 4) bytes = 19 B (every column, plus a float32 scale)
@@ -267,8 +288,9 @@ def test_bytes_match_the_hand_count(two_ranks: Path) -> None:
     per_row = {"rate1": 44, "truncate4": 12, "mask4": 12, "int8-4": 19, "int8-16": 11, "none": 0}
     for label, row_bytes in per_row.items():
         for sent, received, result in ((1, 2, rank0), (2, 1, rank1)):
-            forward, backward, allreduce, eval_halo = result["counts"][label]
+            forward, backward, allreduce, eval_halo, metrics = result["counts"][label]
             assert (forward, backward, allreduce) == (sent * row_bytes, received * row_bytes, 268), label
+            assert metrics == 0, label  # counted by the training loop, not by the exchange
             assert eval_halo == (0 if label == "none" else sent * 44), label
     for result in (rank0, rank1):
         for name, (ours, reference) in result["gradients"].items():
@@ -288,8 +310,33 @@ def test_torchrun_launch(data_root: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["workers"] == 2 and meta["launcher"] == "torchrun" and meta["epochs_run"] == 2
-    assert meta["bytes"]["forward_halo"] > 0 and meta["bytes"]["allreduce"] == 2 * 2 * meta["model_bytes"]
+    _assert_byte_totals(meta, nodes=2708)
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "report.md").is_file()
+
+
+def _assert_byte_totals(meta: dict, nodes: int) -> None:
+    """Every part of ``bytes`` by its formula (ring collectives, summed over ranks), and the total their sum."""
+    sent, world, epochs = meta["bytes"], meta["workers"], meta["epochs_run"]
+    params = meta["model_bytes"] // 4
+    assert sent["allreduce"] == epochs * sum(ring_allreduce_bytes(params, 4, world, r) for r in range(world))
+    assert sent["allreduce"] == epochs * 2 * (world - 1) * meta["model_bytes"]
+    evaluated = [row for row in meta["history"] if row["val_acc"] is not None]
+    assert [row["epoch"] for row in evaluated] == [e for e in range(epochs)
+                                                   if (e + 1) % meta["eval_every"] == 0 or e + 1 == epochs]
+    assert meta["evaluations"] == len(evaluated)
+    # the evaluation's exchange is the training forward's at rate 1: every boundary row, hidden + classes floats
+    rows = sum(row["sent"] for row in meta["ranks"])
+    hidden, classes = meta["recipe"]["hidden"], 7
+    assert sent["eval_halo"] == len(evaluated) * rows * 4 * (hidden + classes)
+    # per epoch one float64 reduction of [loss, 5 counters] (+ 4 scores when evaluating)
+    metrics = sum(ring_allreduce_bytes(6 + 4 * (row["val_acc"] is not None), 8, world, r)
+                  for row in meta["history"] for r in range(world))
+    assert sent["metrics"] == metrics
+    # setup: the partition (int64 a node) broadcast from rank 0, and the size table (K x 5 int64) reduced
+    assert sent["setup"] == (world - 1) * nodes * 8 + 2 * (world - 1) * world * 5 * 8
+    parts = ("forward_halo", "backward_halo", "allreduce", "eval_halo", "metrics", "setup")
+    assert sent["total"] == sum(sent[key] for key in parts) == meta["history"][-1]["total_bytes"]
+    assert sent["training"] == sent["forward_halo"] + sent["backward_halo"] + sent["allreduce"]
 
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error(data_root: Path, tmp_path: Path) -> None:
@@ -320,6 +367,7 @@ def test_cli_rejects_bad_input(data_root: Path) -> None:
     for args, message in [(["model=gat"], "varrate supports gcn/sage"), (["norm=batch"], "norm=none or norm=layer"),
                           (["--rate-min", "8", "--rate-max", "4"], "1 <= --rate-min <= --rate-max"),
                           (["--rate-steps", "64,x"], "comma-separated numbers"),
+                          (["--eval-every", "0"], "--eval-every must be >= 1 epoch, got 0"),
                           (["--ranks", "3000"], "cannot split 2708 nodes into 3000 workers"),
                           (["--device", "cuda", "--ranks", "64"], "--device cuda")]:
         with pytest.raises(LadleError, match=message):
@@ -341,7 +389,7 @@ def test_cli_run(data_root: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert [row["rate"] for row in meta["history"]] == pytest.approx([64, 16, 4, 1])
-    assert meta["launcher"] == "local" and "test acc" in result.stdout
+    assert meta["launcher"] == "local" and "test acc" in result.stdout and "MB in all" in result.stdout
 
 
 def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
@@ -349,8 +397,8 @@ def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data
     METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` halfway; each epoch's halo bytes follow its rate."""
     run_dir = tmp_path / "run"
     result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
-                        "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--run-dir",
-                        str(run_dir), "epochs=4", timeout=240)
+                        "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--eval-every", "3",
+                        "--run-dir", str(run_dir), "epochs=4", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["partition"] == "random" and meta["schedule"]["fraction"] == 0.5
@@ -366,3 +414,5 @@ def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data
     hidden, classes = meta["recipe"]["hidden"], cora_data.num_classes
     for row in meta["history"]:  # truncation: int(width / rate) float32 columns a row, per layer
         assert row["forward_halo"] == rows * 4 * (kept_columns(hidden, row["rate"]) + kept_columns(classes, row["rate"]))
+    assert [row["val_acc"] is not None for row in meta["history"]] == [False, False, True, True]  # epochs 3, 4
+    _assert_byte_totals(meta, nodes=cora_data.num_nodes)

@@ -11,9 +11,10 @@ every rank holds one model, whose state dict is ladle's :class:`~ladle.models.GN
 
 ``r_t`` follows a schedule, heavy compression early and light late (``linear``, ``step``), or is fixed;
 ``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo). Every
-byte a rank puts on the wire is counted: forward halo, backward halo and the gradient all-reduce
-(each rank's gradient once, ``K x model size`` a step, the unit of the soup's final gather of K
-models). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
+payload byte a rank puts on the wire is counted, collectives as ring algorithms send them
+(:mod:`ladle.comm`; the gradient all-reduce ``2 (K - 1) / K`` model sizes a rank, a step): forward
+halo, backward halo, gradient all-reduce, the exact evaluation halo (every ``eval_every`` epochs),
+the per-epoch metric reduction and the setup (partition broadcast, size table). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
 for halos, ``all_reduce`` for gradients and metrics.
 
 Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,
@@ -26,7 +27,7 @@ from __future__ import annotations
 from ladle.varrate.cli import build_parser, main
 from ladle.varrate.compression import (COMPRESSORS, SCHEDULES, Compressor, Int8, RandomMask, RateSchedule, Truncate,
                                        build_compressor, kept_columns)
-from ladle.varrate.engine import (SUPPORTED_MODELS, RankData, VarrateOptions, allreduce_gradients, check_model,
+from ladle.varrate.engine import (EVAL_EVERY, SUPPORTED_MODELS, RankData, VarrateOptions, allreduce_gradients, check_model,
                                   partition_forward, partition_loss, train_partition)
 from ladle.varrate.halo import (HaloExchange, HaloPlan, PeerFailure, Traffic, build_plan, collective, exchange_key,
                                 partition_nodes)
@@ -34,7 +35,7 @@ from ladle.varrate.ranks import (check_inputs, free_port, init_group, load_rank_
                                  run_spawned, run_torchrun)
 
 __all__ = [
-    "COMPRESSORS", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "HaloExchange", "HaloPlan", "Int8", "PeerFailure",
+    "COMPRESSORS", "EVAL_EVERY", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "HaloExchange", "HaloPlan", "Int8", "PeerFailure",
     "RandomMask", "RankData", "RateSchedule", "Traffic", "Truncate", "VarrateOptions", "allreduce_gradients",
     "build_compressor", "build_parser", "build_plan", "check_inputs", "check_model", "collective", "exchange_key",
     "free_port", "init_group", "kept_columns", "load_rank_data", "main", "partition_forward", "partition_loss",

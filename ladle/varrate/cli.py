@@ -9,7 +9,7 @@ from pathlib import Path
 from ladle.config import add_recipe_arguments, recipe_from_args
 from ladle.errors import LadleError
 from ladle.varrate.compression import COMPRESSORS, SCHEDULES, RateSchedule, build_compressor
-from ladle.varrate.engine import VarrateOptions
+from ladle.varrate.engine import EVAL_EVERY, VarrateOptions
 from ladle.varrate.ranks import run_spawned, run_torchrun
 from ladle.views import PARTITION_KINDS
 
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fraction of the epochs over which linear/step reach --rate-min (default 1)")
     parser.add_argument("--rate-steps", help="step schedule ratios, comma-separated (default: 4 geometric steps "
                         "from --rate-max to --rate-min, e.g. 64,16,4,1)")
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY,
+                        help=f"epochs between exact (uncompressed) evaluations, and the last epoch (default {EVAL_EVERY})")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/varrate-<schedule>-<time>)")
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
                         help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu")
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_args(args)
     if args.timeout <= 0 or args.threads < 0:
         raise LadleError("--timeout must be > 0 and --threads >= 0")
+    if args.eval_every < 1:
+        raise LadleError(f"--eval-every must be >= 1 epoch, got {args.eval_every}")
     schedule = RateSchedule(args.schedule, args.rate_max, args.rate_min, args.rate_fraction,
                             _parse_steps(args.rate_steps))
     build_compressor(args.compress)
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if ranks is None:
         ranks = 0 if under_torchrun else 4
     options = VarrateOptions(ranks, args.partition, schedule, args.compress, args.device, args.timeout,
-                             args.threads)
+                             args.threads, args.eval_every)
     if under_torchrun:
         meta = run_torchrun(recipe, options, args.run_dir, args.data_root)
     else:
@@ -90,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if meta is not None:
         sent = meta["bytes"]
         print(f"test acc {meta['test_acc']:.4f} (best epoch {meta['best_epoch']}, val {meta['val_acc']:.4f}); "
-              f"sent {sent['forward_halo'] / 1e6:.2f} MB forward halo, {sent['backward_halo'] / 1e6:.2f} MB backward "
-              f"halo, {sent['allreduce'] / 1e6:.2f} MB all-reduce")
+              f"sent {sent['total'] / 1e6:.2f} MB in all: {sent['forward_halo'] / 1e6:.2f} forward halo, "
+              f"{sent['backward_halo'] / 1e6:.2f} backward halo, {sent['allreduce'] / 1e6:.2f} gradient all-reduce, "
+              f"{sent['eval_halo'] / 1e6:.2f} evaluation halo ({meta['evaluations']} evaluations), "
+              f"{(sent['metrics'] + sent['setup']) / 1e6:.3f} metrics and setup")
         print(f"run directory: {meta['run_dir']}")
     return 0
 

@@ -120,14 +120,16 @@ def collective(what: str) -> Iterator[None]:
 
 @dataclass
 class Traffic:
-    """Bytes this rank sent, by purpose (payload bytes; a peer's own rows are never sent)."""
+    """Bytes this rank sent, by purpose (payload bytes; a peer's own rows are never sent; collectives
+    counted as :mod:`ladle.comm`'s ring algorithms send them)."""
 
     forward_halo: int = 0
     backward_halo: int = 0
     allreduce: int = 0
     eval_halo: int = 0
+    metrics: int = 0
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("forward_halo", "backward_halo", "allreduce", "eval_halo")
+    FIELDS: ClassVar[tuple[str, ...]] = ("forward_halo", "backward_halo", "allreduce", "eval_halo", "metrics")
 
     def values(self) -> list[int]:
         """The counters in :attr:`FIELDS` order."""

@@ -2,6 +2,7 @@
 spawned on this machine (:func:`run_spawned`) or as one of a torchrun group (:func:`run_torchrun`)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ladle.checkpoints import read_json
+from ladle.comm import ring_broadcast_bytes
 from ladle.config import Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError
@@ -48,7 +50,8 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_root: str | None,
                    local_rank: int) -> RankData:
-    """Load the dataset, partition it (rank 0, broadcast to all) and keep this rank's part.
+    """Load the dataset, partition it (rank 0, broadcast to all; the bytes counted as ``setup_bytes``) and
+    keep this rank's part.
 
     The first rank of each machine loads (stages) the dataset before the others, so they never race
     on the cache.
@@ -63,7 +66,8 @@ def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_ro
         data.num_nodes, dtype=torch.long)
     parts = parts.to(device)
     dist.broadcast(parts, src=0)
-    return RankData.build(data, parts.cpu(), rank, world, recipe.model, device)
+    sent = ring_broadcast_bytes(parts.numel() * parts.element_size(), world, rank, src=0)
+    return RankData.build(data, parts.cpu(), rank, world, recipe.model, device, setup_bytes=sent)
 
 
 def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data_root: str | None, local_rank: int,
@@ -143,8 +147,7 @@ def _resolve(options: VarrateOptions, world: int) -> VarrateOptions:
         raise LadleError(f"--device cuda needs one GPU per rank (NCCL cannot share one): {local_world} ranks on "
                          f"this machine, {torch.cuda.device_count()} GPUs visible; use fewer --ranks or --device cpu")
     threads = options.threads or max(1, available_cores() // max(1, local_world))
-    return VarrateOptions(world, options.partition, options.schedule, options.compressor, device, options.timeout,
-                          threads)
+    return dataclasses.replace(options, ranks=world, device=device, threads=threads)
 
 
 def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
