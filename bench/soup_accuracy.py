@@ -156,7 +156,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lines = [TRUNK_HEADER if set(args.experiments) <= set(TRUNK_EXPERIMENTS) else HEADER]
     for experiment in args.experiments:
-        records = []
+        path = args.out / f"{experiment}.json"
+        records = json.loads(path.read_text()) if experiment in TRUNK_EXPERIMENTS and path.exists() else []
         for label, recipe_name, overrides, init in EXPERIMENTS[experiment]:
             if args.only and not any(o in label for o in args.only):
                 continue
@@ -169,9 +170,9 @@ def main() -> None:
                       "ingredients": args.ingredients, "rows": rows}
             name = label.lower().replace(" ", "-").replace(",", "")
             (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
-            if experiment in TRUNK_EXPERIMENTS:
-                records.append(record)
-                (args.out / f"{experiment}.json").write_text(json.dumps(records, indent=1))
+            if experiment in TRUNK_EXPERIMENTS:  # one file per experiment, a record per label (latest kept)
+                records = [r for r in records if r["label"] != label] + [record]
+                path.write_text(json.dumps(records, indent=1))
             lines.append(trunk_table(label, rows) if experiment in TRUNK_EXPERIMENTS else table(label, rows))
             print(lines[-1], flush=True)
     print("\n".join(lines))
