@@ -21,7 +21,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m ladle.train --ingredients 8
+	$(BIN)/python -m ladle.train --recipe default --ingredients 8 --baseline
 	$(BIN)/python -m ladle.soup
 
 test: $(VENV)/.installed-dev

@@ -6,16 +6,20 @@ thread. Every figure is a fresh process's own peak, VmHWM from /proc/self/status
 
     python bench/memory.py                              # Physics, K = 8, 50 epochs
     python bench/memory.py --dataset cora -k 4 --epochs 20
+    python bench/memory.py --balance labels --epochs 10   # the physics-metis recipe's parts, and its trunk
 
 Rows: ``imports`` (python + torch + PyG + ladle, no data), ``prepare`` (cold: load, partition and
 write the shards), ``part k`` (what a pool worker now does for ingredient k: map part k, train it),
 ``before`` (what a worker did before shards: load the whole dataset, train the largest part),
 ``full`` (full-graph training: load the dataset, train the full view), ``full from shard`` (the
-baseline's work now: the memory-mapped whole-graph shard). Writes ``bench/results/memory.json``.
+baseline's work now: the memory-mapped whole-graph shard), ``trunk`` (with ``--balance labels``: the
+trunk of a *-metis recipe, ClusterGCN over the whole-graph shard). Writes ``bench/results/memory.json``
+(``memory-labels.json`` with ``--balance labels``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -40,7 +44,7 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
 
     from ladle.config import load_recipe
     from ladle.data import load_dataset
-    from ladle.engine import IngredientTask, train_ingredient
+    from ladle.engine import IngredientTask, train_ingredient, trunk_task
     from ladle.launch import _Worker
     from ladle.shards import prepare_shards
 
@@ -53,6 +57,9 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
         prepare_shards(recipe, ingredients, data_root, force=True)
     elif mode in ("part", "full-shard"):
         meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(task)
+    elif mode == "trunk":
+        trunk = dataclasses.replace(trunk_task(run_dir / mode, ingredients, 0), init="independent")
+        meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(trunk)
     elif mode in ("before", "full"):
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
         meta = train_ingredient(recipe, data, task)
@@ -64,7 +71,7 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
 def measure(mode: str, run_dir: Path, args: argparse.Namespace, k: int | None = None) -> dict[str, Any]:
     """Run :func:`child` in a fresh interpreter and return its JSON line."""
     command = [sys.executable, __file__, "--child", mode, "--run-dir", str(run_dir), "--dataset", args.dataset,
-               "-k", str(args.ingredients), "--epochs", str(args.epochs)]
+               "-k", str(args.ingredients), "--epochs", str(args.epochs), "--balance", args.balance]
     command += ["--part", str(k)] if k is not None else []
     command += ["--data-root", args.data_root] if args.data_root else []
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -80,14 +87,19 @@ def main() -> None:
     parser.add_argument("--dataset", default="physics")
     parser.add_argument("--ingredients", "-k", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=50)
+    parser.add_argument("--balance", default="none", choices=("none", "labels"),
+                        help="labels: the *-metis recipes' label-balanced parts, plus their trunk's worker")
     parser.add_argument("--data-root")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--part", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    overrides = [f"dataset={args.dataset}", "view.kind=metis", f"epochs={args.epochs}", f"patience={args.epochs}"]
+    overrides = [f"dataset={args.dataset}", "view.kind=metis", f"epochs={args.epochs}", f"patience={args.epochs}",
+                 f"view.balance={args.balance}"]
     if args.child:
-        print(json.dumps(child(args.child, args.run_dir, overrides, args.ingredients, args.part, args.data_root)))
+        trunk = [f"trunk.epochs={args.epochs}"] if args.child == "trunk" else []
+        print(json.dumps(child(args.child, args.run_dir, overrides + trunk, args.ingredients, args.part,
+                               args.data_root)))
         return
 
     from ladle.checkpoints import save_state
@@ -105,6 +117,8 @@ def main() -> None:
         largest = max(parts, key=lambda row: row["nodes"])["k"]
         rows += parts + [measure("before", run_dir, args, largest), measure("full", run_dir, args),
                          measure("full-shard", run_dir, args)]
+        if args.balance == "labels":
+            rows.append(measure("trunk", run_dir, args))
     worker = max(row["peak_mb"] for row in parts)
     by_mode = {row["mode"]: row for row in rows}
     summary = {
@@ -114,13 +128,19 @@ def main() -> None:
         "worker_over_before": worker / by_mode["before"]["peak_mb"],
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.balance == "labels":
+        summary |= {"trunk_peak_mb": by_mode["trunk"]["peak_mb"],
+                    "worker_over_full_shard": worker / by_mode["full-shard"]["peak_mb"]}
+    name = "memory.json" if args.balance == "none" else f"memory-{args.balance}.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n| process | peak RSS MiB |\n|---|---|\n| imports only | {by_mode['imports']['peak_mb']:.0f} |\n"
           f"| prepare (cold, once) | {by_mode['prepare']['peak_mb']:.0f} |\n"
           f"| worker, part k (max / min over k) | {worker:.0f} / {min(r['peak_mb'] for r in parts):.0f} |\n"
           f"| worker before shards (whole dataset, part {largest}) | {by_mode['before']['peak_mb']:.0f} |\n"
           f"| full-graph training | {by_mode['full']['peak_mb']:.0f} |\n"
           f"| full-graph training from the shard | {by_mode['full-shard']['peak_mb']:.0f} |\n"
+          + (f"| trunk worker (ClusterGCN over the whole-graph shard) | {by_mode['trunk']['peak_mb']:.0f} |\n"
+             if "trunk" in by_mode else "") +
           f"\nworker / full-graph: {summary['worker_over_full']:.2f}x; "
           f"worker / worker before shards: {summary['worker_over_before']:.2f}x")
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from ladle.errors import LadleError
-from ladle.views import ViewConfig
+from ladle.views import PARTITION_KINDS, VIEW_KINDS, ViewConfig
 
 MODEL_KINDS = ("gcn", "sage", "gat")
 NORM_KINDS = ("none", "batch", "layer")
@@ -25,6 +25,9 @@ FEATURE_MODES = ("auto", "raw", "normalize")
 SOUP_METHODS = ("uniform", "greedy", "gis", "learned", "learned-partition", "all")
 SOUP_SEARCHES = ("grid", "fast")
 SOUP_METRICS = ("acc", "loss", "acc+loss")
+TRUNK_KEEPS = ("best", "last")
+BRANCH_KEEPS = ("best", "last", "swa")
+LR_SCHEDULES = ("constant", "cos")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,53 @@ class SoupConfig:
         _check_choice("soup.metric", self.metric, SOUP_METRICS)
         if self.grid < 2:
             raise ValueError(f"soup.grid must be >= 2, got {self.grid}")
+
+
+@dataclass(frozen=True)
+class TrunkConfig:
+    """One shared trunk, trained once before the ingredients, which all start from its weights
+    (recipe section ``trunk``; ``epochs: 0`` turns it off and ingredients start from the shared init).
+
+    ``view``: the view kind it trains on, one a bounded worker can hold; empty means ``cluster`` for
+    partition recipes and the recipe's own view otherwise. ``keep``: its ``best``-validation or ``last``
+    weights.
+    """
+
+    epochs: int = 0
+    view: str = ""
+    lr: float = 0.01
+    keep: str = "best"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ValueError(f"trunk.epochs must be >= 0 (0 = no trunk), got {self.epochs}")
+        if self.view and (self.view not in VIEW_KINDS or self.view in PARTITION_KINDS):
+            kinds = [kind for kind in VIEW_KINDS if kind not in PARTITION_KINDS]
+            raise ValueError(f"trunk.view must be empty (derived) or one of {', '.join(kinds)}; got {self.view!r} "
+                             "(a trunk sees the whole graph through a bounded view, not one part)")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"trunk.lr must be finite and > 0, got {self.lr}")
+        _check_choice("trunk.keep", self.keep, TRUNK_KEEPS)
+
+
+@dataclass(frozen=True)
+class BranchConfig:
+    """How each ingredient trains from its start (the trunk, or the shared init): recipe section ``branch``.
+
+    ``lr``: null means the recipe's ``lr``; ``schedule``: ``constant`` or ``cos`` (cosine decay to 0 over
+    ``epochs``); ``keep``: ``best`` validation (early stopping after ``patience``), ``last``, or ``swa``
+    (the mean of the weights after each epoch of the second half).
+    """
+
+    lr: float | None = None
+    schedule: str = "constant"
+    keep: str = "best"
+
+    def __post_init__(self) -> None:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"branch.lr must be finite and > 0 (or null: the recipe's lr), got {self.lr}")
+        _check_choice("branch.schedule", self.schedule, LR_SCHEDULES)
+        _check_choice("branch.keep", self.keep, BRANCH_KEEPS)
 
 
 @dataclass(frozen=True)
@@ -69,6 +119,8 @@ class Recipe:
     patience: int = 100
     seed: int = 0
     soup: SoupConfig = field(default_factory=SoupConfig)
+    trunk: TrunkConfig = field(default_factory=TrunkConfig)
+    branch: BranchConfig = field(default_factory=BranchConfig)
 
     def __post_init__(self) -> None:
         if not _is_file_name(self.name):
@@ -92,6 +144,19 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON/YAML-able dict (tuples become lists)."""
         return _plain(dataclasses.asdict(self))
+
+    @property
+    def branch_lr(self) -> float:
+        """The ingredients' learning rate: ``branch.lr``, else ``lr``."""
+        return self.lr if self.branch.lr is None else self.branch.lr
+
+    def trunk_view(self) -> ViewConfig:
+        """The trunk's view: ``trunk.view``, or ``cluster`` for partition recipes, else the recipe's own view
+        (other view keys, such as ``view.parts``, carry over; a partition's balance and halo do not)."""
+        kind = self.trunk.view or ("cluster" if self.view.kind in PARTITION_KINDS else self.view.kind)
+        if kind == self.view.kind:
+            return self.view
+        return dataclasses.replace(self.view, kind=kind, balance="none", halo=0)
 
     def replace(self, **changes: Any) -> Recipe:
         """A copy with top-level fields changed (validated again)."""

@@ -1,17 +1,21 @@
-"""The one-ingredient loop: what one worker does to train one ingredient, and the pieces it shares.
+"""The one-ingredient loop: what one worker does to train one model of a run, and the pieces it shares.
 
-One ingredient is a plain full-batch / mini-batch loop (OGB-example style): Adam, cross-entropy on
-the view's training nodes, validation every epoch, the best-validation weights kept, early stopping
-after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by periodic averaging
-and varrate). Every ``save_every`` epochs its full state is saved, so an interrupted ingredient
-resumes bitwise-identically. The launchers (:mod:`ladle.launch`, :mod:`ladle.ray_backend`) build the
-task list with :func:`ingredient_tasks` and hand each task to :func:`train_ingredient`.
+One model is a plain full-batch / mini-batch loop (OGB-example style): Adam, cross-entropy on the
+view's training nodes, validation every epoch. A run's models are the ingredients, the full-graph
+baseline and, when the recipe has one, the trunk the ingredients branch from (:class:`Plan` says how
+each trains: epochs, learning rate and its schedule, and which weights it keeps: best validation with
+early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by
+periodic averaging and varrate), the last, or their mean over the second half). Every
+``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
+The launchers (:mod:`ladle.launch`, :mod:`ladle.ray_backend`) build the task list with
+:func:`ingredient_tasks` (and :func:`trunk_task`) and hand each task to :func:`train_ingredient`.
 """
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -29,16 +33,22 @@ from ladle.config import Recipe
 from ladle.errors import LadleError
 from ladle.evaluation import Metrics, evaluate
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
-from ladle.resources import peak_rss_mb
-from ladle.rundir import BASELINE, RunDir, ingredient_name
 from ladle.pyg_views import with_backend
+from ladle.resources import peak_rss_mb
+from ladle.rundir import BASELINE, TRUNK, RunDir, ingredient_name
 from ladle.views import IngredientView, build_view
 
 log = logging.getLogger(__name__)
 
 
+# Below this many validation nodes in its view, a model does not select its best epoch: one node is
+# then more than 2 points of accuracy (Coauthor Physics' K=8 METIS parts hold about 19); it keeps its
+# last weights instead and its metadata says so ("keep", "keep_reason").
+MIN_SELECTION_NODES = 50
+
+
 def ingredient_seed(base_seed: int, k: int) -> int:
-    """The seed of ingredient ``k`` of a run seeded ``base_seed`` (the baseline uses k = -1)."""
+    """The seed of ingredient ``k`` of a run seeded ``base_seed`` (the baseline uses k = -1, the trunk -2)."""
     return base_seed * 1_000 + k + 1
 
 
@@ -119,16 +129,20 @@ def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientVi
 
 @dataclass
 class IngredientTask:
-    """What one worker needs to train one ingredient (or the full-graph baseline when ``k`` is None)."""
+    """What one worker needs to train one ingredient, or the full-graph baseline (``k`` None), or the
+    trunk (``trunk``, ``k`` None: it reads the whole graph through :meth:`Recipe.trunk_view`)."""
 
     k: int | None
     num_ingredients: int
     run_dir: Path
     init: str  # "shared" | "independent"
     save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
+    trunk: bool = False
 
     @property
     def name(self) -> str:
+        if self.trunk:
+            return TRUNK
         return BASELINE if self.k is None else ingredient_name(self.k)
 
     @property
@@ -149,18 +163,74 @@ def ingredient_tasks(run_dir: Path, ingredients: int, init: str, baseline: bool,
     return tasks
 
 
+def trunk_task(run_dir: Path, ingredients: int, save_every: int = 10) -> IngredientTask:
+    """The trunk of a run: trained once from the shared init, before the ingredients that branch from it."""
+    return IngredientTask(None, ingredients, run_dir, "shared", save_every, trunk=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one model trains: ``epochs``, Adam's ``lr`` (``constant`` or ``cos``: decayed to 0 along a
+    half cosine), and the weights it ``keep``s: ``best`` validation (early stopping after ``patience``),
+    ``last``, or ``swa`` (the running mean of the weights after each epoch of the second half)."""
+
+    epochs: int
+    lr: float
+    schedule: str
+    keep: str
+    patience: int
+
+    def lr_at(self, epoch: int) -> float:
+        """The learning rate of ``epoch`` (0-based)."""
+        if self.schedule == "cos":
+            return 0.5 * self.lr * (1.0 + math.cos(math.pi * epoch / self.epochs))
+        return self.lr
+
+    @property
+    def swa_start(self) -> int:
+        """The first epoch whose weights enter the ``swa`` mean."""
+        return self.epochs // 2
+
+
+def plan(recipe: Recipe, task: IngredientTask) -> Plan:
+    """The trunk trains ``trunk.*``; the baseline trains ``trunk.epochs + epochs`` at ``lr`` (the same total
+    epochs as a trunk and its branches), keeping its best; ingredients train ``epochs`` as ``branch.*`` says."""
+    if task.trunk:
+        return Plan(recipe.trunk.epochs, recipe.trunk.lr, "constant", recipe.trunk.keep, recipe.patience)
+    if task.k is None:
+        return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
+    return Plan(recipe.epochs, recipe.branch_lr, recipe.branch.schedule, recipe.branch.keep, recipe.patience)
+
+
+def initial_state(recipe: Recipe, task: IngredientTask) -> StateDict | None:
+    """The weights a task starts from: the trunk for ingredients of a recipe with one, else the shared init
+    (``None``: an independent init, drawn from the task's seed)."""
+    if recipe.trunk.epochs and task.k is not None:
+        return load_state(task.files.weights(TRUNK))
+    return load_state(task.files.init) if task.init == "shared" else None
+
+
 @dataclass
 class Progress(BestEpoch):
-    """Where an ingredient's training stands; with the tensors, enough to resume bitwise-identically."""
+    """Where a model's training stands; with the tensors, enough to resume bitwise-identically.
+    ``averaged``: epochs in the ``swa`` mean so far."""
 
     next_epoch: int = 0
     seconds: float = 0.0
+    averaged: int = 0
+
+
+def _average_into(mean: StateDict, state: StateDict, count: int) -> StateDict:
+    """The running mean after adding ``state`` as the ``count``-th term (integer buffers: the latest)."""
+    if count == 1:
+        return copy.deepcopy(state)
+    return {k: m + (state[k] - m) / count if m.is_floating_point() else state[k].clone() for k, m in mean.items()}
 
 
 def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
                   progress: Progress) -> None:
-    """One atomic file: weights, best weights, optimiser state, RNG states (CPU, and every GPU's when the
-    model is on CUDA: dropout there draws from the GPU's generator), counters (in the header)."""
+    """One atomic file: weights, kept weights (best or mean), optimiser state, RNG states (CPU, and every
+    GPU's when the model is on CUDA: dropout there draws from the GPU's generator), counters (header)."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     tensors |= {f"best.{k}": v for k, v in best_state.items()}
     optim = optimizer.state_dict()
@@ -174,7 +244,7 @@ def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
 
 
 def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
-    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, best weights."""
+    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, kept weights."""
     tensors, header = load_state_and_metadata(task.progress_path)
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
@@ -197,7 +267,7 @@ def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
 def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
                      progress_position: int = 0, device: torch.device | str = "cpu",
                      part_view: IngredientView | None = None) -> dict[str, Any]:
-    """Train one ingredient to its best-validation weights; write them and their metadata; return it.
+    """Train one model of a run as :func:`plan` says; write its kept weights and metadata; return that.
 
     Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
     this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
@@ -206,9 +276,13 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     """
     start = time.perf_counter()
     files = task.files
-    k = -1 if task.k is None else task.k
+    k = -2 if task.trunk else -1 if task.k is None else task.k
     seed = ingredient_seed(recipe.seed, k)
-    view_config = recipe.view if task.k is not None else type(recipe.view)(kind="full")
+    schedule = plan(recipe, task)
+    if task.k is not None:
+        view_config = recipe.view
+    else:
+        view_config = recipe.trunk_view() if task.trunk else type(recipe.view)(kind="full")
     if part_view is not None:
         view = part_view
     else:
@@ -217,16 +291,17 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
                                        recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
-    if task.init == "shared":
-        model.load_state_dict(load_state(files.init))
+    start_state = initial_state(recipe, task)
+    if start_state is not None:
+        model.load_state_dict(start_state)
     torch.manual_seed(seed)
     model.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=recipe.weight_decay)
     if task.progress_path.exists():
-        progress, best_state = load_progress(task, model, optimizer)
+        progress, kept = load_progress(task, model, optimizer)
         log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
     else:
-        progress, best_state = Progress(), copy.deepcopy(model.state_dict())
+        progress, kept = Progress(), copy.deepcopy(model.state_dict())
 
     if full_inputs is None:
         full_inputs = graph_inputs(data, recipe.model)
@@ -235,29 +310,42 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(
         eval_graph, recipe.model).to(device)
     batch_inputs = BatchInputs(view, eval_inputs, recipe.model, device)
+    keep, keep_reason = schedule.keep, ""
+    val_nodes = int(eval_graph.val_mask.sum())
+    if keep == "best" and val_nodes < MIN_SELECTION_NODES:
+        keep = "last"
+        keep_reason = (f"{val_nodes} validation nodes in its view (< {MIN_SELECTION_NODES}): too few to select an "
+                       "epoch on, kept the last weights")
+        log.warning("%s: %s", task.name, keep_reason)
 
-    bar = tqdm(total=recipe.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
+    bar = tqdm(total=schedule.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
                leave=False, dynamic_ncols=True, disable=None)
-    for epoch in range(progress.next_epoch, recipe.epochs):
-        if progress.exhausted(recipe.patience):
+    for epoch in range(progress.next_epoch, schedule.epochs):
+        if keep == "best" and progress.exhausted(schedule.patience):
             break
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr_at(epoch)
         try:
             train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
         except FloatingPointError:
             bar.close()
             raise
         val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
-        if progress.update(epoch, val):
-            best_state = copy.deepcopy(model.state_dict())
+        if progress.update(epoch, val) and keep == "best":
+            kept = copy.deepcopy(model.state_dict())
+        if keep == "swa" and epoch >= schedule.swa_start:
+            progress.averaged += 1
+            kept = _average_into(kept, model.state_dict(), progress.averaged)
         progress.next_epoch = epoch + 1
-        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < recipe.epochs:
-            save_progress(task, model, optimizer, best_state,
+        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < schedule.epochs:
+            save_progress(task, model, optimizer, kept,
                           replace(progress, seconds=progress.seconds + time.perf_counter() - start))
         bar.update(1)
         bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
     bar.close()
 
-    model.load_state_dict(best_state)
+    if keep != "last":
+        model.load_state_dict(kept)
     val = evaluate(model, full_inputs, data.y.to(device), data.val_mask.to(device))
     test = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
     save_state(files.weights(task.name), model.state_dict())
@@ -267,6 +355,8 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
         "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
         "metrics_on": "graph" if part_view is None else "part",
+        "plan": asdict(schedule), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
+        "start": TRUNK if recipe.trunk.epochs and task.k is not None else task.init,
         "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
         "pid": os.getpid(), "threads": torch.get_num_threads(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),

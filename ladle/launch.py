@@ -22,14 +22,14 @@ from torch_geometric.data import Data
 
 from ladle.checkpoints import read_json, save_state, write_json
 from ladle.config import Recipe, recipe_from_dict
-from ladle.engine import IngredientTask, check_ingredients, ingredient_tasks, train_ingredient
+from ladle.engine import IngredientTask, check_ingredients, ingredient_tasks, train_ingredient, trunk_task
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, build_model
 from ladle.pyg_views import check_backend
 from ladle.ray_backend import import_ray, run_ray
 from ladle.resources import available_cores, resolve_device
-from ladle.rundir import (BASELINE, CHECKPOINTS, RunDir, check_free, check_same_run, expected_shapes, lock_run_dir,
-                          new_run_dir, resolve_run_dir, update_latest, verify_finished)
+from ladle.rundir import (BASELINE, CHECKPOINTS, TRUNK, RunDir, check_free, check_same_run, expected_shapes,
+                          lock_run_dir, new_run_dir, resolve_run_dir, update_latest, verify_finished)
 from ladle.shards import ShardSet, load_shard, prepare_shards
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    """What a finished run left: its folder and each ingredient's metadata."""
+    """What a finished run left: its folder and each ingredient's (and the trunk's, baseline's) metadata."""
 
     run_dir: Path
     ingredients: list[dict[str, Any]]
     baseline: dict[str, Any] | None = None
     failed: list[str] = field(default_factory=list)
+    trunk: dict[str, Any] | None = None
 
     def summary_table(self) -> str:
-        """A plain-text table of the ingredients (and baseline): val/test accuracy, epochs, time, memory."""
-        rows = list(self.ingredients) + ([self.baseline] if self.baseline else [])
+        """A plain-text table of the trunk, ingredients and baseline: val/test accuracy, epochs, time, memory."""
+        rows = [meta for meta in (self.trunk, *self.ingredients, self.baseline) if meta]
         lines = [f"{'model':<15}{'view nodes':>11}{'epochs':>8}{'best':>6}{'val':>8}{'test':>8}{'sec':>8}{'RSS MB':>9}"]
         for meta in rows:
             lines.append(
@@ -115,6 +116,9 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     check_backend(recipe.view)
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
+    if init == "independent" and recipe.trunk.epochs:
+        raise LadleError("--independent-init contradicts trunk.epochs > 0: every ingredient starts from the trunk "
+                         "(drop the flag, or set trunk.epochs=0)")
     workers = _check_backend(backend, workers, ingredients + int(baseline))
     device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
     data_root = None if data_root is None else str(data_root)
@@ -213,24 +217,47 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
     files = RunDir(run_path)
-    if not tasks:
-        results, failed = {}, {}
-    elif backend == "local":
-        results, failed = run_local(tasks, recipe, files.shards, workers, device, threads)
-    else:
-        results, failed = run_ray(tasks, recipe, data_root, device, ray_options or {})
+
+    def run(batch: list[IngredientTask], processes: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        if not batch:
+            return {}, {}
+        if backend == "local":
+            return run_local(batch, recipe, files.shards, processes, device,
+                             threads or max(1, available_cores() // workers))
+        return run_ray(batch, recipe, data_root, device, ray_options or {})
+
+    results, failed = {}, {}
+    if recipe.trunk.epochs and not files.finished(TRUNK):  # once, in one worker, before the branches
+        trunk = trunk_task(run_path, run_meta["ingredients"], int(run_meta.get("save_every", 10)))
+        results, failed = run([trunk], 1)
+        if failed:
+            log.error("the trunk failed, so no ingredient can branch from it")
+            tasks = [trunk]
+    if recipe.trunk.epochs and not failed:
+        run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
+    if not failed:
+        more, failed = run(tasks, workers)
+        results |= more
     for task in tasks:
         if task.name in failed:
             write_json(files.meta(task.name),
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
     metas = {task.name: read_json(files.meta(task.name))
              for task in _run_tasks(run_path, run_meta) if files.finished(task.name)}
+    if files.finished(TRUNK):
+        metas[TRUNK] = read_json(files.meta(TRUNK))
     metas.update(results)
     run_meta["status"] = "failed" if failed else "done"
     run_meta["failed"] = sorted(failed)
     write_json(files.run_json, run_meta)
-    ordered = [metas[name] for name in sorted(metas) if name != BASELINE]
-    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed))
+    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK)]
+    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK))
+
+
+def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``run.json`` and the report say of the trunk: its view, epochs, accuracy, time and peak memory."""
+    return {key: meta[key] for key in ("view", "epochs_run", "best_epoch", "keep", "val_acc", "test_acc",
+                                       "train_seconds", "peak_rss_mb")}
 
 
 def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,

@@ -42,7 +42,7 @@ from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError
 from ladle.models import GraphInputs, graph_inputs
 from ladle.resources import available_cores
-from ladle.rundir import RunDir
+from ladle.rundir import TRUNK, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,10 @@ def _maybe_fault(fault: tuple[str, str, Path] | None, name: str) -> None:
 
 
 def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, device: str, threads: int,
-                init_bytes: bytes | None, gather: bool,
+                init_bytes: bytes | None, trunk_bytes: bytes | None, gather: bool,
                 fault: tuple[str, str, Path] | None) -> tuple[dict[str, Any], bytes | None]:
-    """Body of one Ray task: train ``task`` and return (metadata, checkpoint bytes when gathering).
+    """Body of one Ray task: train ``task`` and return (metadata, checkpoint bytes when gathering; the
+    shared init and the trunk then come as bytes too).
 
     A ``FloatingPointError`` or ``LadleError`` (e.g. no dataset under ``data_root`` on this node) comes
     back as ``{"error": ...}`` instead of raising, so Ray does not retry what would fail again; any other
@@ -113,6 +114,8 @@ def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, dev
             local = RunDir(Path(scratch))
             if init_bytes is not None:
                 local.init.write_bytes(init_bytes)
+            if trunk_bytes is not None:
+                local.weights(TRUNK).write_bytes(trunk_bytes)
             meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
             return meta, local.weights(task.name).read_bytes()
     except (FloatingPointError, LadleError) as error:
@@ -185,12 +188,15 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, 
         _check_resources(ray, cpus, gpus)
         shared = [task for task in tasks if task.init == "shared"]
         init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
+        branches = [task for task in tasks if task.k is not None]
+        trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
+                     if gather and branches and recipe.trunk.epochs else None)
         remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
                                                  retry_exceptions=True)
         threads = max(1, int(cpus))
         pending = {
             remote.remote(recipe, task, data_root, device, threads,
-                          init_ref if task.init == "shared" else None, gather, fault): task
+                          init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
             for task in tasks
         }
         log.info("submitted %d ingredients to Ray (%g CPUs, %g GPUs each%s)",

@@ -13,6 +13,8 @@ from ladle.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
+BASIN_POINTS = 1.0  # a larger barrier (validation points) means the ingredients are not in one basin
+
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
     """(name, val acc, test acc, note) for ingredients, summaries, soups and references."""
@@ -39,6 +41,8 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("missing"):
         lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
     lines += [f"skipped (--skip-bad): {name}: {why}" for name, why in report.get("skipped", {}).items()]
+    if report.get("basin"):
+        lines.append(basin_line(report["basin"]))
     lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
     return "\n".join(lines)
 
@@ -60,12 +64,63 @@ def format_markdown(report: dict[str, Any]) -> str:
     if report.get("skipped"):
         lines += ["", "Skipped by `--skip-bad`:", ""]
         lines += [f"- {name}: {why}" for name, why in report["skipped"].items()]
-    lines += ["", "## Views", "", "| ingredient | nodes | train nodes | label histogram |", "|---|---|---|---|"]
+    if report.get("trunk"):
+        trunk = report["trunk"]
+        lines += ["", f"Trunk: view {trunk['view']['kind']}, {trunk['epochs_run']} epochs (kept {trunk['keep']}, "
+                  f"best epoch {trunk['best_epoch']}), {trunk['train_seconds']:.1f} s, peak RSS "
+                  f"{trunk['peak_rss_mb']:.0f} MB in its worker."]
+    lines += soup_comparison(report)
+    if report.get("basin"):
+        lines += basin_section(report["basin"])
+    lines += ["", "## Views", "", "| ingredient | nodes | train nodes | label histogram | kept weights |",
+              "|---|---|---|---|---|"]
+    keeps = {row["name"]: row for row in report.get("keeps", [])}
     for row, view in zip(report["ingredients"], report["views"]):
         histogram = view.get("label_histogram", [])
+        keep = keeps.get(row["name"], {})
         lines.append(f"| {row['name']} | {view.get('nodes', '')} | {view.get('train_nodes', '')} | "
-                     f"{' '.join(str(c) for c in histogram)} |")
+                     f"{' '.join(str(c) for c in histogram)} | {keep.get('keep', '')} |")
+    lines += [f"- {row['name']}: {row['reason']}" for row in report.get("keeps", []) if row["reason"]]
     return "\n".join(lines) + "\n"
+
+
+def soup_comparison(report: dict[str, Any]) -> list[str]:
+    """Markdown: every soup's test accuracy beside the mean and best-validation ingredient, the trunk and
+    the logit ensemble (what a soup has to beat to be worth making)."""
+    references = {ref["name"]: ref["test_acc"] for ref in report["references"]}
+    trunk = references.get("trunk")
+    lines = ["", "## Soups beside their ingredients (test accuracy)", "",
+             "| soup | test | mean ingredient | best ingredient | trunk | ensemble |", "|---|---|---|---|---|---|"]
+    for soup in report["soups"]:
+        lines.append(f"| {soup['name']} | {soup['test_acc']:.4f} | {report['mean_ingredient']['test_acc']:.4f} | "
+                     f"{report['best_ingredient']['test_acc']:.4f} | "
+                     f"{'-' if trunk is None else format(trunk, '.4f')} | {references['ensemble']:.4f} |")
+    return lines
+
+
+def basin_line(basin: dict[str, Any]) -> str:
+    """One line: whether every interpolation step stays within 1 point of its chord (one basin)."""
+    if not basin["steps"]:
+        return "basin: no interpolation steps (one candidate, or no gis soup)"
+    worst = max(basin["steps"], key=lambda step: step["barrier"])
+    if worst["barrier"] > BASIN_POINTS:
+        return (f"ingredients are not in one basin: the validation curve toward {worst['ingredient']} sags "
+                f"{worst['barrier']:.1f} points below its chord (barrier > {BASIN_POINTS:g} point)")
+    return f"one basin: every interpolation step's barrier is <= {BASIN_POINTS:g} point (largest {worst['barrier']:.1f})"
+
+
+def basin_section(basin: dict[str, Any]) -> list[str]:
+    """Markdown: the barrier of every greedy-interpolation step and each ingredient's distances."""
+    start = basin["start"]
+    lines = ["", "## Basin", "", basin_line(basin) + ".", "",
+             f"Barrier: how far validation accuracy (points) sags below the straight line between the soup so far "
+             f"and the next ingredient ({basin['soup']}).", "",
+             "| step | ingredient | alpha | barrier |", "|---|---|---|---|"]
+    lines += [f"| {i} | {step['ingredient']} | {step['alpha']:.2f} | {step['barrier']:.2f} |"
+              for i, step in enumerate(basin["steps"], start=1)]
+    lines += ["", f"| ingredient | distance from {start} | distance from {basin['soup']} |", "|---|---|---|"]
+    lines += [f"| {row['name']} | {row[f'from_{start}']:.3f} | {row['from_soup']:.3f} |" for row in basin["distances"]]
+    return lines
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:

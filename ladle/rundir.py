@@ -1,8 +1,9 @@
 """The run directory: the one module that names its files.
 
 ``checkpoints/<run>/`` holds ``run.json`` (the run's settings and status), ``init.safetensors`` (the
-shared initial weights), ``partition.safetensors`` (partition views), ``shards`` (a link to the
-prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX.json`` (and
+shared initial weights), ``trunk.safetensors`` + ``trunk.json`` (the shared trunk the ingredients
+branch from, when the recipe has one), ``partition.safetensors`` (partition views), ``shards`` (a link
+to the prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX.json`` (and
 ``ingredient-XX.progress.safetensors`` while it trains), ``baseline.*``, ``averaged.*``,
 ``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
 or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``.
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = Path("checkpoints")
 BASELINE = "baseline"
 AVERAGED = "averaged"
+TRUNK = "trunk"
 
 
 def ingredient_name(k: int) -> str:

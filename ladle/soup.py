@@ -21,9 +21,10 @@ from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.evaluation import Evaluator, Metrics, SoupResult
 from ladle.report import format_table, write_report
-from ladle.rundir import (AVERAGED, BASELINE, Ingredients, RunDir, check_free, load_ingredients, lock_run_dir,
-                          resolve_run_dir, soup_name)
-from ladle.soups import ALL, SOUPS, SoupInputs
+from ladle.basin import barrier, ingredient_distances
+from ladle.rundir import (AVERAGED, BASELINE, TRUNK, Ingredients, RunDir, check_free, load_ingredients,
+                          lock_run_dir, resolve_run_dir, soup_name)
+from ladle.soups import ALL, SOUPS, TRUNK_INDEX, SoupInputs
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     unknown = [name for name in methods if name not in SOUPS]
     if unknown:
         raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
-    inputs = SoupInputs(bundle.states, order, score, metric, grid, fast, evaluator, recipe.seed)
+    trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
+    inputs = SoupInputs(bundle.states, order, score, metric, grid, fast, evaluator, recipe.seed, trunk)
     soups: list[SoupResult] = []
     for name in methods:
         began = time.perf_counter()
@@ -82,6 +84,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     references = _references(files, bundle, evaluator, recompute)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, recompute, bundle.names, settings) for result in soups]
+    basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
+                   trunk if trunk is not None else load_state(files.init), "trunk" if trunk is not None else "init")
     report = {
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
@@ -92,7 +96,9 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
-        "views": [m.get("view", {}) for m in bundle.metas],
+        "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
+        "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
+                  for m in bundle.metas],
     }
     if write:
         with lock_run_dir(files.path, "ladle.soup"):  # the write phase: soups, then the report
@@ -114,16 +120,33 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: 
     test = evaluator.split(result.state, "test_mask", False)
     return {"name": soup_name(result.method), "kind": "soup", "method": result.method, "val_acc": val.acc,
             "val_loss": val.loss, "test_acc": test.acc, "evaluations": result.evaluations,
-            "kept": [names[i] for i in result.kept], "alphas": result.alphas, "curves": result.curves,
+            "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas, "curves": result.curves,
             "seconds": result.seconds, **settings, **result.report_fields()}
 
 
+def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], start: StateDict,
+           start_name: str) -> dict[str, Any]:
+    """Whether the ingredients sit in one basin: the barrier (:func:`ladle.basin.barrier`, validation points)
+    of every greedy-interpolation step, and each ingredient's distance from the weights it started from
+    (``start_name``: the trunk or the shared init) and from the soup (gis, else the first soup made)."""
+    gis = next((result for result in soups if result.method == "gis"), None)
+    steps = [] if gis is None else [
+        {"ingredient": name, "alpha": alpha, "barrier": barrier([a for a, _, _ in curve], [acc for _, acc, _ in curve])}
+        for name, alpha, curve in zip(step_names, gis.alphas, gis.curves)]
+    soup = gis or soups[0]
+    distances = ingredient_distances(start, soup.state, bundle.states)
+    return {"start": start_name, "soup": soup_name(soup.method), "steps": steps,
+            "max_barrier": max((step["barrier"] for step in steps), default=0.0),
+            "distances": [{"name": name, f"from_{start_name}": d["from_init"], "from_soup": d["from_soup"]}
+                          for name, d in zip(bundle.names, distances)]}
+
+
 def _references(files: RunDir, bundle: Ingredients, evaluator: Evaluator, recompute: bool) -> list[dict[str, Any]]:
-    """What the soups are compared with, not soups themselves: the logit ensemble, and the run's
+    """What the soups are compared with, not soups themselves: the logit ensemble, and the run's trunk,
     periodically averaged model and full-graph baseline when it has them."""
     logits = torch.stack([evaluator.full_logits(s, recompute) for s in bundle.states]).mean(0)
     references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(logits)}]
-    for name in (AVERAGED, BASELINE):
+    for name in (TRUNK, AVERAGED, BASELINE):
         if files.weights(name).exists():
             logits = evaluator.full_logits(load_state(files.weights(name)), recompute)
             references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits)})

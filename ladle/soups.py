@@ -2,7 +2,8 @@
 registry :data:`SOUPS` from method name to the function that makes that soup.
 
 Uniform (mean of all), greedy (Wortsman et al. 2022) and greedy interpolation (Graph Ladling) are
-here; :mod:`ladle.learned` registers the learned soups. A new method is one function and one
+here; when the ingredients branched from a trunk, greedy and greedy interpolation start from the
+trunk (uniform averages the ingredients alone). :mod:`ladle.learned` registers the learned soups. A new method is one function and one
 :func:`register` line; ``all`` is every registered method not registered with ``in_all=False``.
 """
 from __future__ import annotations
@@ -29,9 +30,9 @@ def uniform_soup(states: Sequence[StateDict]) -> StateDict:
 
 
 def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str) -> SoupResult:
-    """Wortsman et al.: walk ingredients best-first; add one to the running mean only if the
+    """Wortsman et al.: walk ingredients in ``order`` (best-first); add one to the running mean only if the
     validation score (``metric``) does not drop (a tie is accepted: with ``acc``, the default, this is
-    the paper's rule). Starts from the best ingredient."""
+    the paper's rule). Starts from the first."""
     kept = [order[0]]
     best = score(states[order[0]]).key(metric)
     evaluations = 1
@@ -83,7 +84,7 @@ def search_alpha(soup: StateDict, ingredient: StateDict, score: Scorer, metric: 
 
 def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str,
                               grid: int = 21, fast: bool = False) -> SoupResult:
-    """Graph Ladling's GIS: start from the best ingredient; for each next one (best-first) keep
+    """Graph Ladling's GIS: start from the first in ``order`` (the best); for each next one keep
     ``alpha * soup + (1 - alpha) * ingredient`` with the alpha of best validation score. alpha = 1
     (keep the soup) is always a candidate, so the validation score never drops. ``kept``: the
     ingredients the soup contains (a step with alpha = 0 discards those before it)."""
@@ -106,7 +107,8 @@ def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int],
 
 @dataclass(frozen=True)
 class SoupInputs:
-    """What a soup method may use: the ingredients, best-first order, the validation scorer and settings."""
+    """What a soup method may use: the ingredients, best-first order, the validation scorer and settings,
+    and the trunk the ingredients branched from (``None`` without one)."""
 
     states: Sequence[StateDict]
     order: Sequence[int]
@@ -116,6 +118,21 @@ class SoupInputs:
     fast: bool
     evaluator: Evaluator
     seed: int
+    trunk: StateDict | None = None
+
+
+TRUNK_INDEX = -1  # how a soup's ``kept`` names the trunk
+
+
+def _trunk_first(inputs: SoupInputs, soup: Callable[[Sequence[StateDict], Sequence[int]], SoupResult]) -> SoupResult:
+    """Run a sequential soup with the trunk, when there is one, as its first candidate (then the
+    ingredients best-first), so a soup can only leave the trunk where validation says the branches help;
+    the trunk appears in ``kept`` as :data:`TRUNK_INDEX`."""
+    if inputs.trunk is None:
+        return soup(inputs.states, inputs.order)
+    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)])
+    result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
+    return result
 
 
 SoupMethod = Callable[[SoupInputs], SoupResult]
@@ -140,10 +157,10 @@ def _uniform(inputs: SoupInputs) -> SoupResult:
 
 @register("greedy")
 def _greedy(inputs: SoupInputs) -> SoupResult:
-    return greedy_soup(inputs.states, inputs.order, inputs.score, inputs.metric)
+    return _trunk_first(inputs, lambda states, order: greedy_soup(states, order, inputs.score, inputs.metric))
 
 
 @register("gis")
 def _gis(inputs: SoupInputs) -> SoupResult:
-    return greedy_interpolation_soup(inputs.states, inputs.order, inputs.score, inputs.metric, inputs.grid,
-                                     inputs.fast)
+    return _trunk_first(inputs, lambda states, order: greedy_interpolation_soup(
+        states, order, inputs.score, inputs.metric, inputs.grid, inputs.fast))

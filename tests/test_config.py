@@ -5,12 +5,23 @@ from pathlib import Path
 
 import pytest
 
-from ladle.config import Recipe, load_recipe, recipe_dirs
+from ladle.config import BranchConfig, Recipe, TrunkConfig, load_recipe, recipe_dirs
 from ladle.errors import LadleError
 
 
-def test_default_recipe_file_equals_embedded_default() -> None:
-    assert load_recipe("default") == Recipe()
+def test_default_recipe_file_is_the_embedded_default_with_a_trunk() -> None:
+    recipe = load_recipe("default")
+    assert recipe.trunk == TrunkConfig(epochs=100, view="cluster", lr=0.01, keep="best")
+    assert recipe.branch == BranchConfig(lr=None, schedule="cos", keep="last") and recipe.epochs == 100
+    assert recipe.replace(epochs=200, trunk=TrunkConfig(), branch=BranchConfig()) == Recipe()
+
+
+def test_metis_recipes_differ_only_in_the_dataset() -> None:
+    recipes = [load_recipe(f"{dataset}-metis").to_dict() for dataset in ("cora", "citeseer", "physics")]
+    for recipe in recipes:
+        assert recipe["view"]["kind"] == "metis" and recipe["trunk"]["epochs"] > 0
+        recipe.pop("name"), recipe.pop("dataset")
+    assert recipes[0] == recipes[1] == recipes[2]
 
 
 @pytest.mark.parametrize("name", ["cora-gcn", "citeseer-gcn", "physics-gcn", "cora-sage", "cora-gat"])

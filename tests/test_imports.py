@@ -10,9 +10,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "ladle"
 MAX_LINES = 450
 RUN_DIR_OWNER = "ladle.rundir"
-RUN_DIR_NAMES = ("run.json", "init.safetensors", "partition.safetensors", "ingredient-", ".progress.safetensors",
-                 "averaged.safetensors", "baseline.safetensors", "soup-", "report.json", "report.md",
-                 "accuracy.png", "alpha.png", "accuracy-bytes.png", "varrate.json", "model.safetensors", "run.lock")
+RUN_DIR_NAMES = ("run.json", "init.safetensors", "trunk.safetensors", "partition.safetensors", "ingredient-",
+                 ".progress.safetensors", "averaged.safetensors", "baseline.safetensors", "soup-", "report.json",
+                 "report.md", "accuracy.png", "alpha.png", "accuracy-bytes.png", "varrate.json", "model.safetensors", "run.lock")
 
 
 def _modules() -> dict[str, Path]:

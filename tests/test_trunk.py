@@ -1,0 +1,155 @@
+"""Trunk, then branches: ingredients start from the trunk's exact weights, a run resumes across the trunk
+bitwise-identically, no trunk is today's run, keys are validated, and the report shows the basin."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROJECT, run_module
+from ladle.checkpoints import load_state, save_state
+from ladle.config import load_recipe
+from ladle.engine import MIN_SELECTION_NODES, IngredientTask, train_ingredient
+from ladle.launch import train_ingredients
+from ladle.models import build_model
+from ladle.soup import soup_run
+
+# A branch learning rate so small that Adam's steps vanish below float32 resolution: branches end where they start.
+FROZEN_BRANCHES = ["trunk.epochs=5", "epochs=2", "branch.lr=1e-30", "branch.keep=last", "soup.method=gis"]
+
+
+@pytest.fixture(scope="module")
+def frozen_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three METIS-part ingredients branched from a 5-epoch trunk with vanishing branch steps, souped."""
+    run_dir = tmp_path_factory.mktemp("frozen") / "run"
+    recipe = load_recipe(None, ["view.kind=metis", "view.balance=labels", *FROZEN_BRANCHES])
+    run = train_ingredients(recipe, ingredients=3, workers=1, run_dir=run_dir, baseline=True, data_root=data_root,
+                            threads=1)
+    assert not run.failed and run.trunk is not None
+    soup_run(run_dir, data_root=data_root)
+    return run_dir
+
+
+def test_branches_start_from_the_trunks_exact_weights(frozen_run: Path) -> None:
+    trunk, init = load_state(frozen_run / "trunk.safetensors"), load_state(frozen_run / "init.safetensors")
+    assert any(not torch.equal(trunk[key], init[key]) for key in trunk), "the trunk did not train"
+    for k in range(3):
+        meta = json.loads((frozen_run / f"ingredient-{k:02d}.json").read_text())
+        assert meta["start"] == "trunk" and meta["keep"] == "last" and meta["plan"]["lr"] == 1e-30
+        state = load_state(frozen_run / f"ingredient-{k:02d}.safetensors")
+        for key in trunk:
+            assert torch.allclose(state[key], trunk[key], rtol=0, atol=1e-20), (k, key)
+    run = json.loads((frozen_run / "run.json").read_text())
+    assert run["trunk"]["epochs_run"] == 5 and run["trunk"]["peak_rss_mb"] > 0 and run["trunk"]["train_seconds"] > 0
+    assert run["trunk"]["view"]["kind"] == "cluster"  # derived for a partition recipe
+    baseline = json.loads((frozen_run / "baseline.json").read_text())
+    assert baseline["plan"]["epochs"] == 5 + 2  # the same total epochs as trunk + branches
+
+
+def test_report_gives_the_barrier_of_every_step_and_the_distances(frozen_run: Path) -> None:
+    report = json.loads((frozen_run / "report.json").read_text())
+    basin = report["basin"]
+    assert basin["start"] == "trunk" and len(basin["steps"]) == 3  # the trunk first, then every ingredient
+    assert all(step["barrier"] == 0.0 for step in basin["steps"])  # one model three times: no sag anywhere
+    assert all(row["from_trunk"] < 1e-12 for row in basin["distances"])
+    gis = next(soup for soup in report["soups"] if soup["method"] == "gis")
+    assert gis["kept"][0] == "trunk"
+    markdown = (frozen_run / "report.md").read_text()
+    assert "## Basin" in markdown and "| step | ingredient | alpha | barrier |" in markdown
+    assert "one basin: every interpolation step's barrier is <= 1 point (largest 0.0)" in markdown
+    assert "| soup | test | mean ingredient | best ingredient | trunk | ensemble |" in markdown
+    assert "| trunk (ref) |" in markdown and "distance from trunk" in markdown
+
+
+def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["view.kind=full", "epochs=3", "soup.method=gis"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root,
+                            threads=1)
+    assert run.trunk is None and not (tmp_path / "run" / "trunk.safetensors").exists()
+    assert "trunk" not in json.loads((tmp_path / "run" / "run.json").read_text())
+    meta = run.ingredients[0]
+    assert meta["start"] == "shared" and meta["keep"] == "best"
+    assert meta["plan"] == {"epochs": 3, "lr": 0.01, "schedule": "constant", "keep": "best", "patience": 100}
+    report = soup_run(tmp_path / "run", data_root=data_root)
+    assert report["basin"]["start"] == "init" and len(report["basin"]["steps"]) == 1
+    assert all(ref["name"] != "trunk" for ref in report["references"])
+    best = max(report["ingredients"], key=lambda row: (row["val_acc"], -row["val_loss"]))["name"]
+    assert report["soups"][0]["kept"][0] == best
+
+
+def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["view.kind=metis", "epochs=3", "patience=1"])
+    torch.manual_seed(recipe.seed)
+    save_state(tmp_path / "init.safetensors", build_model(recipe, cora_data.num_features, 7).state_dict())
+    meta = train_ingredient(recipe, cora_data, IngredientTask(0, 16, tmp_path, "shared"))  # about 31 val nodes
+    assert meta["view_val_nodes"] < MIN_SELECTION_NODES
+    assert meta["keep"] == "last" and f"< {MIN_SELECTION_NODES}" in meta["keep_reason"]
+    assert meta["epochs_run"] == 3  # no early stopping without selection
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trunk.keep=swa", "trunk.keep must be one of best, last; got 'swa'"),
+    ("trunk.view=metis", "trunk.view must be empty (derived) or one of full, cluster"),
+    ("trunk.epochs=-1", "trunk.epochs must be >= 0 (0 = no trunk), got -1"),
+    ("branch.schedule=linear", "branch.schedule must be one of constant, cos; got 'linear'"),
+    ("branch.keep=first", "branch.keep must be one of best, last, swa; got 'first'"),
+    ("branch.lr=0", "branch.lr must be finite and > 0"),
+    ("trunk.depth=2", "unknown recipe key 'trunk.depth'"),
+])
+def test_bad_trunk_and_branch_keys_exit_2_naming_the_key(override: str, message: str, tmp_path: Path) -> None:
+    result = run_module("ladle.train", override, "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_independent_init_with_a_trunk_is_refused(tmp_path: Path) -> None:
+    result = run_module("ladle.train", "trunk.epochs=5", "--independent-init", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--independent-init contradicts trunk.epochs > 0" in result.stderr
+
+
+TRUNK_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", "view.kind=cluster", "trunk.epochs=60",
+              "epochs=4", "branch.schedule=cos", "branch.keep=swa"]
+
+
+def test_sigkill_in_the_trunk_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Path) -> None:
+    reference = run_module("ladle.train", *TRUNK_ARGS, "--data-root", str(data_root), "--run-dir",
+                           str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ladle.train", *TRUNK_ARGS, "--data-root", str(data_root), "--run-dir", str(run_dir)],
+        cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    progress = run_dir / "trunk.progress.safetensors"
+    deadline = time.monotonic() + 240
+    while not progress.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the trunk finished before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "trunk.safetensors").exists()
+    resumed = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
+    assert resumed.returncode == 0, resumed.stderr
+    for name in ("trunk", "ingredient-00", "ingredient-01"):
+        expected = load_state(tmp_path / "reference" / f"{name}.safetensors")
+        actual = load_state(run_dir / f"{name}.safetensors")
+        assert all(torch.equal(expected[key], actual[key]) for key in expected), name
+        assert not (run_dir / f"{name}.progress.safetensors").exists()
+    assert json.loads((run_dir / "run.json").read_text())["trunk"]["epochs_run"] == 60
+
+    # A finished trunk is reused, not retrained: drop one ingredient and resume.
+    trunk_written = (run_dir / "trunk.safetensors").stat().st_mtime_ns
+    for suffix in (".safetensors", ".json"):
+        (run_dir / f"ingredient-01{suffix}").unlink()
+    again = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
+    assert again.returncode == 0, again.stderr
+    assert (run_dir / "trunk.safetensors").stat().st_mtime_ns == trunk_written
+    expected = load_state(tmp_path / "reference" / "ingredient-01.safetensors")
+    actual = load_state(run_dir / "ingredient-01.safetensors")
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
