@@ -31,6 +31,7 @@ from ladle.config import Recipe
 from ladle.engine import BatchInputs, BestEpoch, check_ingredients, ingredient_seed, train_epoch
 from ladle.errors import LadleError
 from ladle.evaluation import average, evaluate
+from ladle.metrics import EpochLogger, check_loggers, merge_metrics
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
 from ladle.resources import peak_rss_mb
 from ladle.rundir import AVERAGED, RunDir
@@ -53,11 +54,13 @@ class _Trainer:
         torch.manual_seed(ingredient_seed(recipe.seed, view.k))
         self.rng = torch.get_rng_state()
 
-    def train_epoch(self, epoch: int) -> None:
-        """One epoch over this trainer's batches, on its own RNG stream."""
+    def train_epoch(self, epoch: int) -> float:
+        """One epoch over this trainer's batches, on its own RNG stream; return its mean training loss."""
         torch.set_rng_state(self.rng)
-        train_epoch(self.model, self.optimizer, self.view, epoch, self.inputs, f"averaging trainer {self.view.k}")
+        loss = train_epoch(self.model, self.optimizer, self.view, epoch, self.inputs,
+                           f"averaging trainer {self.view.k}")
         self.rng = torch.get_rng_state()
+        return loss
 
 
 def average_models(models: list[GNN]) -> int:
@@ -77,11 +80,16 @@ def average_models(models: list[GNN]) -> int:
 
 
 def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_every: int,
-                         run_dir: Path) -> dict[str, Any]:
+                         run_dir: Path, log: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train ``ingredients`` trainers for ``recipe.epochs`` epochs, averaging every ``average_every``
     epochs (and after the last); write the ``averaged`` weights (best averaged model on validation) and
-    metadata (val/test accuracy, bytes, epochs, seconds) into ``run_dir``; return the metadata."""
+    metadata (val/test accuracy, bytes, epochs, seconds) into ``run_dir``; return the metadata.
+
+    Every trainer's curve goes to ``metrics-averaged.csv`` (role ``averaged``, ``k`` the trainer; the
+    validation of the averaged model at each average), merged into ``run_dir``'s ``metrics.csv``;
+    ``log``: loggers besides the CSV (:mod:`ladle.metrics`)."""
     check_ingredients(ingredients)
+    check_loggers(log)
     if average_every < 1:
         raise LadleError(f"--average-every must be >= 1 epoch, got {average_every}")
     start = time.perf_counter()
@@ -95,7 +103,11 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         views = [first] + [with_backend(build_view(data, recipe.view, k, ingredients, recipe.seed, partition))
                            for k in range(1, ingredients)]
         trainers = [_Trainer(recipe, data, view, init, full_inputs) for view in views]
-        meta = _lockstep(recipe, data, trainers, average_every, full_inputs)
+        curves = EpochLogger(run_dir, AVERAGED, "averaged", log)
+        try:
+            meta = _lockstep(recipe, data, trainers, average_every, full_inputs, curves)
+        finally:
+            curves.close()
     model = trainers[0].model
     model.load_state_dict(meta.pop("best_state"))
     val = evaluate(model, full_inputs, data.y, data.val_mask)
@@ -109,12 +121,15 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "status": "done",
     }
     write_json(files.meta(AVERAGED), meta)
+    merge_metrics(run_dir)
     return meta
 
 
 def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_every: int,
-              full_inputs: GraphInputs) -> dict[str, Any]:
-    """Step every trainer one epoch at a time; average and validate every ``average_every`` epochs."""
+              full_inputs: GraphInputs, curves: EpochLogger) -> dict[str, Any]:
+    """Step every trainer one epoch at a time; average and validate every ``average_every`` epochs; log a
+    row per trainer and epoch."""
+    start = time.perf_counter()
     models = [t.model for t in trainers]
     best, averages, sent, model_bytes, last_average = BestEpoch(), 0, 0, 0, -1
     best_state: StateDict = copy.deepcopy(models[0].state_dict())
@@ -124,21 +139,24 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
     for epoch in range(recipe.epochs):
         if best.exhausted(recipe.patience):
             break
-        for trainer in trainers:
-            trainer.train_epoch(epoch)
+        losses = [trainer.train_epoch(epoch) for trainer in trainers]
         bar.update(1)
-        if (epoch + 1) % average_every and epoch + 1 < recipe.epochs:
-            continue
-        model_bytes = average_models(models)
-        averages += 1
-        # every trainer's ring share; their sum, 2 (K - 1) x model_bytes, does not depend on the chunking
-        sent += sum(ring_allreduce_bytes(model_bytes, 1, len(trainers), k) for k in range(len(trainers)))
-        val = evaluate(models[0], full_inputs, data.y, data.val_mask)
-        history.append({"epoch": epoch, "val_acc": val.acc, "val_loss": val.loss, "bytes": sent})
-        if best.update(epoch, val, elapsed=epoch - last_average):  # stale: epochs since the previous average
-            best_state = copy.deepcopy(models[0].state_dict())
-        last_average = epoch
-        bar.set_postfix(val=f"{val.acc:.3f}", best=f"{best.best_acc:.3f}", sent=f"{sent / 1e6:.1f}MB")
+        val = None
+        if (epoch + 1) % average_every == 0 or epoch + 1 == recipe.epochs:
+            model_bytes = average_models(models)
+            averages += 1
+            # every trainer's ring share; their sum, 2 (K - 1) x model_bytes, does not depend on the chunking
+            sent += sum(ring_allreduce_bytes(model_bytes, 1, len(trainers), k) for k in range(len(trainers)))
+            val = evaluate(models[0], full_inputs, data.y, data.val_mask)
+            history.append({"epoch": epoch, "val_acc": val.acc, "val_loss": val.loss, "bytes": sent})
+            if best.update(epoch, val, elapsed=epoch - last_average):  # stale: epochs since the previous average
+                best_state = copy.deepcopy(models[0].state_dict())
+            last_average = epoch
+            bar.set_postfix(val=f"{val.acc:.3f}", best=f"{best.best_acc:.3f}", sent=f"{sent / 1e6:.1f}MB")
+        seconds = time.perf_counter() - start
+        for trainer, loss in zip(trainers, losses):
+            curves.epoch(epoch, k=trainer.view.k, train_loss=loss, val=val,
+                         lr=trainer.optimizer.param_groups[0]["lr"], seconds=seconds)
     bar.close()
     return {"best_state": best_state, "best_epoch": best.best_epoch, "epochs_run": last_average + 1,
             "averages": averages, "model_bytes": model_bytes, "bytes": sent, "history": history}

@@ -32,6 +32,7 @@ from ladle.checkpoints import StateDict, load_state, load_state_and_metadata, sa
 from ladle.config import Recipe
 from ladle.errors import LadleError
 from ladle.evaluation import Metrics, evaluate
+from ladle.metrics import EpochLogger
 from ladle.models import GNN, GraphInputs, build_model, graph_inputs
 from ladle.pyg_views import with_backend
 from ladle.resources import peak_rss_mb
@@ -111,9 +112,11 @@ class BatchInputs:
 
 
 def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
-                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> None:
-    """One epoch of Adam steps over ``view``'s batches; a non-finite loss raises ``FloatingPointError``."""
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> float:
+    """One epoch of Adam steps over ``view``'s batches; return the mean batch loss (NaN when no batch had
+    a loss node); a non-finite loss raises ``FloatingPointError``."""
     model.train()
+    losses: list[float] = []
     for batch in view.batches(epoch):
         batch_input = inputs(batch)
         if not bool(batch.loss_mask.any()):
@@ -125,6 +128,8 @@ def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientVi
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(loss.item())
+    return sum(losses) / len(losses) if losses else float("nan")
 
 
 @dataclass
@@ -138,6 +143,7 @@ class IngredientTask:
     init: str  # "shared" | "independent"
     save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
     trunk: bool = False
+    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.metrics.LOGGERS)
 
     @property
     def name(self) -> str:
@@ -155,17 +161,17 @@ class IngredientTask:
 
 
 def ingredient_tasks(run_dir: Path, ingredients: int, init: str, baseline: bool,
-                     save_every: int = 10) -> list[IngredientTask]:
+                     save_every: int = 10, log: tuple[str, ...] = ()) -> list[IngredientTask]:
     """The tasks of a run: ingredients ``0..K-1``, then the baseline (shared init) when the run has one."""
-    tasks = [IngredientTask(k, ingredients, run_dir, init, save_every) for k in range(ingredients)]
+    tasks = [IngredientTask(k, ingredients, run_dir, init, save_every, log=log) for k in range(ingredients)]
     if baseline:
-        tasks.append(IngredientTask(None, ingredients, run_dir, "shared", save_every))
+        tasks.append(IngredientTask(None, ingredients, run_dir, "shared", save_every, log=log))
     return tasks
 
 
-def trunk_task(run_dir: Path, ingredients: int, save_every: int = 10) -> IngredientTask:
+def trunk_task(run_dir: Path, ingredients: int, save_every: int = 10, log: tuple[str, ...] = ()) -> IngredientTask:
     """The trunk of a run: trained once from the shared init, before the ingredients that branch from it."""
-    return IngredientTask(None, ingredients, run_dir, "shared", save_every, trunk=True)
+    return IngredientTask(None, ingredients, run_dir, "shared", save_every, trunk=True, log=log)
 
 
 @dataclass(frozen=True)
@@ -320,17 +326,22 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
 
     bar = tqdm(total=schedule.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
                leave=False, dynamic_ncols=True, disable=None)
+    role = "trunk" if task.trunk else "ingredient" if task.k is not None else "baseline"
+    curves = EpochLogger(files.path, task.name, role, task.log, progress.next_epoch)
     for epoch in range(progress.next_epoch, schedule.epochs):
         if keep == "best" and progress.exhausted(schedule.patience):
             break
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr_at(epoch)
         try:
-            train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
+            train_loss = train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
         except FloatingPointError:
             bar.close()
+            curves.close()
             raise
         val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
+        curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
+                     seconds=progress.seconds + time.perf_counter() - start)
         if progress.update(epoch, val) and keep == "best":
             kept = copy.deepcopy(model.state_dict())
         if keep == "swa" and epoch >= schedule.swa_start:
@@ -343,6 +354,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         bar.update(1)
         bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
     bar.close()
+    curves.close()
 
     if keep != "last":
         model.load_state_dict(kept)

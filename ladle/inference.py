@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.nn import GATConv
+from tqdm import tqdm
 
 from ladle.models import GCNLayer, GNN, SAGELayer, use_sparse_features
 from ladle.shards import Shard
@@ -72,8 +73,11 @@ class LayerwiseInference:
         """
         model.eval()
         h = self.x
+        bar = tqdm(total=len(model.convs) * len(self.ranges), desc="layer-wise inference", unit="chunk",
+                   leave=False, dynamic_ncols=True, disable=None)  # a chunk: one layer over one batch of rows
         for i, conv in enumerate(model.convs):
             h = self._layer(conv, h, sparse=i == 0 and use_sparse_features(self.x, model.model))
+            bar.update(len(self.ranges))
             if i == len(model.convs) - 1:
                 break
             norm = model.norms[i]
@@ -84,6 +88,7 @@ class LayerwiseInference:
                 norm.num_batches_tracked.fill_(1)
             for start, end in self.ranges:
                 h[start:end] = F.relu(norm(h[start:end]))
+        bar.close()
         return h
 
     def _rows(self, start: int, end: int) -> Tensor:

@@ -24,6 +24,7 @@ from ladle.checkpoints import read_json, save_state, write_json
 from ladle.config import Recipe, recipe_from_dict
 from ladle.engine import IngredientTask, check_ingredients, ingredient_tasks, train_ingredient, trunk_task
 from ladle.errors import LadleError
+from ladle.metrics import check_loggers, merge_metrics
 from ladle.models import GraphInputs, build_model
 from ladle.pyg_views import check_backend
 from ladle.ray_backend import import_ray, run_ray
@@ -104,15 +105,18 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
                       ray_options: dict[str, Any] | None = None, save_every: int = 10,
-                      threads: int | None = None) -> RunResult:
+                      threads: int | None = None, log: tuple[str, ...] = ()) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
     ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
     ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
     ``threads``: torch threads per local worker (default: cores / workers).
+    ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.metrics`).
     """
     check_ingredients(ingredients)
+    log = tuple(log)
+    check_loggers(log)
     check_backend(recipe.view)
     if init not in ("shared", "independent"):
         raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
@@ -150,7 +154,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         run_meta = {
             "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
             "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
-            "created": dt.datetime.now().isoformat(timespec="seconds"),
+            "log": list(log), "created": dt.datetime.now().isoformat(timespec="seconds"),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
             "shards": shards.meta["key"], "status": "running",
@@ -158,7 +162,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
             update_latest(checkpoints_root, run_path)
-        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every)
+        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every, log)
         return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
@@ -182,6 +186,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_json(RunDir(run_path).run_json)
+        check_loggers(run_meta.get("log", ()))
         recipe = recipe_from_dict(run_meta["recipe"])
         backend = backend or run_meta.get("backend", "local")
         tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
@@ -199,7 +204,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
 def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:
     """Every task of the run described by ``run_meta`` (its ``run.json``)."""
     return ingredient_tasks(run_path, run_meta["ingredients"], run_meta["init"], bool(run_meta.get("baseline")),
-                            save_every)
+                            save_every, tuple(run_meta.get("log", ())))
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
@@ -228,7 +233,8 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
 
     results, failed = {}, {}
     if recipe.trunk.epochs and not files.finished(TRUNK):  # once, in one worker, before the branches
-        trunk = trunk_task(run_path, run_meta["ingredients"], int(run_meta.get("save_every", 10)))
+        trunk = trunk_task(run_path, run_meta["ingredients"], int(run_meta.get("save_every", 10)),
+                           tuple(run_meta.get("log", ())))
         results, failed = run([trunk], 1)
         if failed:
             log.error("the trunk failed, so no ingredient can branch from it")
@@ -250,6 +256,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
     run_meta["status"] = "failed" if failed else "done"
     run_meta["failed"] = sorted(failed)
     write_json(files.run_json, run_meta)
+    merge_metrics(run_path)
     ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK)]
     return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK))
 

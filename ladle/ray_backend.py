@@ -9,7 +9,8 @@ a Ray worker can differ from run to run.)
 
 Where the weights go: by default each task writes its checkpoint into the run directory itself,
 which must then be on storage every node sees. With ``gather`` the task trains in a temporary folder
-of its own node and returns the checkpoint bytes and metadata; the driver writes them (atomically).
+of its own node and returns every file it wrote there (checkpoint, metadata, training curves); the
+driver writes them into the run directory (atomically).
 
 Failures: a crashed worker and a raising task are retried up to ``MAX_RETRIES`` times; a NaN loss
 (``FloatingPointError``) or bad input (``LadleError``) would fail the same way again, so it is
@@ -96,9 +97,9 @@ def _maybe_fault(fault: tuple[str, str, Path] | None, name: str) -> None:
 
 def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, device: str, threads: int,
                 init_bytes: bytes | None, trunk_bytes: bytes | None, gather: bool,
-                fault: tuple[str, str, Path] | None) -> tuple[dict[str, Any], bytes | None]:
-    """Body of one Ray task: train ``task`` and return (metadata, checkpoint bytes when gathering; the
-    shared init and the trunk then come as bytes too).
+                fault: tuple[str, str, Path] | None) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+    """Body of one Ray task: train ``task`` and return (metadata, when gathering the files it wrote by path
+    relative to the run directory; the shared init and the trunk then come as bytes too).
 
     A ``FloatingPointError`` or ``LadleError`` (e.g. no dataset under ``data_root`` on this node) comes
     back as ``{"error": ...}`` instead of raising, so Ray does not retry what would fail again; any other
@@ -116,8 +117,10 @@ def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, dev
                 local.init.write_bytes(init_bytes)
             if trunk_bytes is not None:
                 local.weights(TRUNK).write_bytes(trunk_bytes)
+            inputs = {local.init, local.weights(TRUNK)} if trunk_bytes is not None else {local.init}
             meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
-            return meta, local.weights(task.name).read_bytes()
+            return meta, {str(path.relative_to(local.path)): path.read_bytes()
+                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
     except (FloatingPointError, LadleError) as error:
         return {"error": f"{type(error).__name__}: {error}"}, None
 
@@ -207,6 +210,16 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, 
             ray.shutdown()
 
 
+def _write_gathered(run_dir: Path, gathered: dict[str, bytes]) -> None:
+    """Write the files a gathering task returned into ``run_dir`` (paths inside it only)."""
+    for relative, payload in gathered.items():
+        path = Path(relative)
+        if path.is_absolute() or ".." in path.parts:
+            raise LadleError(f"a Ray task returned the path {relative!r}, outside the run directory")
+        with atomic_open(run_dir / path) as stream:
+            stream.write(payload)
+
+
 def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Wait for the tasks as they finish, write gathered checkpoints, and tick the driver's bar."""
     results: dict[str, dict[str, Any]] = {}
@@ -217,14 +230,13 @@ def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, di
             done, waiting = ray.wait(waiting, num_returns=1)
             task = pending[done[0]]
             try:
-                meta, weights = ray.get(done[0])
+                meta, gathered = ray.get(done[0])
             except ray.exceptions.RayError as error:
-                meta, weights = {"error": _failure_message(ray, error)}, None
+                meta, gathered = {"error": _failure_message(ray, error)}, None
             if "error" not in meta:
                 checkpoint = task.files.weights(task.name)
-                if weights is not None:
-                    with atomic_open(checkpoint) as stream:
-                        stream.write(weights)
+                if gathered is not None:
+                    _write_gathered(task.files.path, gathered)
                     write_json(task.files.meta(task.name), meta)
                 elif not checkpoint.is_file():
                     meta = {"error": f"{checkpoint} was written on a worker's node but is not visible here: "

@@ -6,7 +6,9 @@ branch from, when the recipe has one), ``partition.safetensors`` (partition view
 to the prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX.json`` (and
 ``ingredient-XX.progress.safetensors`` while it trains), ``baseline.*``, ``averaged.*``,
 ``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
-or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``.
+or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``; the training
+curves (:mod:`ladle.metrics`): ``metrics-<name>.csv`` per process, merged into ``metrics.csv``, and with
+``--log tensorboard`` event files under ``tensorboard-logs/<curve>/``.
 ``checkpoints/latest`` points at the newest run.
 
 A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
@@ -53,7 +55,8 @@ def soup_name(method: str) -> str:
 
 @dataclass(frozen=True)
 class RunDir:
-    """Paths of the files of one run directory (nothing is created or read here, except :meth:`finished`)."""
+    """Paths of the files of one run directory (nothing is created or read here, except :meth:`finished` and
+    :meth:`metrics_parts`)."""
 
     path: Path
 
@@ -136,6 +139,24 @@ class RunDir:
     def varrate_json(self) -> Path:
         """A varrate run's metadata (bytes and timings per epoch)."""
         return self.path / "varrate.json"
+
+    @property
+    def metrics(self) -> Path:
+        """Every model's per-epoch training curve, merged (:func:`ladle.metrics.merge_metrics`)."""
+        return self.path / "metrics.csv"
+
+    def metrics_part(self, name: str) -> Path:
+        """The curves one process logs while ``name`` trains, before they are merged into :attr:`metrics`."""
+        return self.path / f"metrics-{name}.csv"
+
+    def metrics_parts(self) -> list[Path]:
+        """Every :meth:`metrics_part` in the folder, sorted by name."""
+        return sorted(self.path.glob("metrics-*.csv"))
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files, one folder per curve (``--log tensorboard``)."""
+        return self.path / "tensorboard-logs"
 
 
 def new_run_dir(prefix: str, checkpoints_root: Path = CHECKPOINTS) -> Path:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
+from tqdm import tqdm
 
 from ladle.checkpoints import atomic_open, read_json, write_json
 from ladle.config import Recipe
@@ -321,12 +322,16 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     partition: Tensor | None = getattr(view, "parts", None)
     adj = view.adj  # the in-edge CSR, already built when the view partitioned the graph
     common = {"dataset": recipe.dataset.lower(), "view": recipe.view.kind}
-    graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
-                        {**common, "k": None, "num_ingredients": ingredients})
-    parts: list[str] = []
-    if recipe.view.kind in PARTITION_KINDS:
-        assert partition is not None
-        parts = _write_parts(data, adj, partition, ingredients, recipe.view.halo, folder, common)
+    partitioned = recipe.view.kind in PARTITION_KINDS
+    with tqdm(total=1 + (ingredients if partitioned else 0), desc=f"preparing shards of {recipe.dataset}", unit="shard",
+              leave=False, dynamic_ncols=True, disable=None) as bar:
+        graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
+                            {**common, "k": None, "num_ingredients": ingredients})
+        bar.update(1)
+        parts: list[str] = []
+        if partitioned:
+            assert partition is not None
+            parts = _write_parts(data, adj, partition, ingredients, recipe.view.halo, folder, common, bar)
     if partition is not None:
         with atomic_open(folder / "partition.npy") as stream:
             np.save(stream, partition.numpy(), allow_pickle=False)
@@ -336,9 +341,9 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
 
 
 def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: int, folder: Path,
-                 common: dict[str, Any]) -> list[str]:
-    """Write each part's induced subgraph, with its ``halo``-hop in-neighbourhood read-only, as ``part-XX``;
-    return their names.
+                 common: dict[str, Any], bar: tqdm) -> list[str]:
+    """Write each part's induced subgraph, with its ``halo``-hop in-neighbourhood read-only, as ``part-XX``
+    (``bar`` ticks once a part); return their names.
 
     Nodes keep their global order and edges their CSR order, so part ``k`` is exactly
     :class:`~ladle.views.PartitionView` ``k``'s eval graph.
@@ -365,6 +370,7 @@ def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: 
         if meta["train_nodes"] == 0:
             log.warning("ingredient %d: its %s part has no train nodes", k, common["view"])
         names.append(f"part-{k:02d}")
+        bar.update(1)
     return names
 
 

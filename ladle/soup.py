@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 import ladle.learned  # noqa: F401  (registers the learned soups in SOUPS)
 from ladle.checkpoints import StateDict, load_state, read_json, save_state, write_json
@@ -56,8 +57,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
     evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None)
+    methods = ALL if method == "all" else [method]
+    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast), desc="soup scoring",
+               unit="candidate", dynamic_ncols=True, disable=None)
 
     def score(state: StateDict) -> Metrics:
+        bar.update(1)
         return evaluator.validation(state, recompute)
 
     start = time.perf_counter()
@@ -68,7 +73,6 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
     setup_seconds = time.perf_counter() - start
 
-    methods = ALL if method == "all" else [method]
     unknown = [name for name in methods if name not in SOUPS]
     if unknown:
         raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
@@ -80,6 +84,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         result = SOUPS[name](inputs)
         result.seconds = time.perf_counter() - began
         soups.append(result)
+    bar.total = bar.n  # the fast alpha search may skip points it already scored
+    bar.close()
 
     references = _references(files, bundle, evaluator, recompute)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
@@ -108,6 +114,19 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                            | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
             write_report(files.path, report)
     return report
+
+
+def planned_scorings(methods: list[str], ingredients: int, grid: int, fast: bool) -> int:
+    """Validation scorings of the ingredients and of the candidates of ``methods`` (at most, for the fast alpha
+    search): K, then greedy K (its start, then each next ingredient), gis K - 1 alpha searches (``grid``
+    points, or the fast search's 5 points and 2 per halving of the step); uniform and the learned soups
+    score no candidate here."""
+    halvings, step = 0, 0.25
+    while step > 1.0 / (grid - 1):
+        step, halvings = step / 2, halvings + 1
+    per_search = 5 + 2 * halvings if fast else grid
+    greedy = ingredients if "greedy" in methods else 0
+    return ingredients + greedy + ((ingredients - 1) * per_search if "gis" in methods else 0)
 
 
 def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: list[str],

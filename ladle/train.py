@@ -16,6 +16,7 @@ from ladle.config import Recipe, add_recipe_arguments, recipe_from_args
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.launch import resume_run, train_ingredients
+from ladle.metrics import LOGGERS, check_loggers
 from ladle.rundir import AVERAGED, RunDir, averaging_run_dir, check_free, lock_run_dir
 
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-ingredient", type=float, default=0.0, help="Ray: GPUs per ingredient task")
     parser.add_argument("--gather", action="store_true",
                         help="Ray: return weights to the driver and write them there (no shared storage needed)")
+    parser.add_argument("--log", action="append", default=[], choices=LOGGERS,
+                        help="also log the training curves to TensorBoard event files in the run directory "
+                             "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                    "gather": args.gather}
     if args.save_every < 0:
         raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
+    check_loggers(args.log)
     if args.resume:
         run = resume_run(args.run_dir, args.workers, args.data_root, ray_options=ray_options)
         print(run.summary_table())
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
-                            backend=args.backend, ray_options=ray_options, save_every=args.save_every)
+                            backend=args.backend, ray_options=ray_options, save_every=args.save_every,
+                            log=tuple(args.log))
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1
@@ -89,7 +95,7 @@ def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
     run_dir.mkdir(parents=True, exist_ok=True)
     with lock_run_dir(run_dir, "ladle.train --average-every"):
-        meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir)
+        meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir, tuple(args.log))
     print(f"averaged every {args.average_every} epochs, K={args.ingredients}: val {meta['val_acc']:.4f} "
           f"test {meta['test_acc']:.4f}, {meta.get('bytes', 0) / 1e6:.1f} MB sent, {meta['seconds']:.1f} s")
     print(f"written: {RunDir(run_dir).weights(AVERAGED)}")

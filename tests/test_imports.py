@@ -12,7 +12,8 @@ MAX_LINES = 450
 RUN_DIR_OWNER = "ladle.rundir"
 RUN_DIR_NAMES = ("run.json", "init.safetensors", "trunk.safetensors", "partition.safetensors", "ingredient-",
                  ".progress.safetensors", "averaged.safetensors", "baseline.safetensors", "soup-", "report.json",
-                 "report.md", "accuracy.png", "alpha.png", "accuracy-bytes.png", "varrate.json", "model.safetensors", "run.lock")
+                 "report.md", "accuracy.png", "alpha.png", "accuracy-bytes.png", "varrate.json", "model.safetensors",
+                 "run.lock", "metrics.csv", "metrics-", "tensorboard-logs")
 
 
 def _modules() -> dict[str, Path]:

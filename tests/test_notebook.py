@@ -16,7 +16,7 @@ from conftest import PROJECT, run_module
 
 NOTEBOOK = PROJECT / "notebooks" / "explore.ipynb"
 KERNEL = "ladle-test"
-FIGURES = ("views", "partitions", "alpha-gis", "comparison")
+FIGURES = ("curves", "views", "partitions", "alpha-gis", "comparison")
 
 
 def execute(kernels: Path, data_root: Path, **settings: str) -> nbformat.NotebookNode:

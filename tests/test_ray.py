@@ -81,6 +81,8 @@ def test_faults_retried_and_gathered(recipe: Recipe, data_root: Path, tmp_path: 
         assert (markers / f"{name}.{mode}").is_file(), "the injected fault did not fire"
         _assert_same_weights(run, local_run)
         assert not list((run_dir / mode).glob(".*.tmp"))
+        # the training curves came back with the weights: a row per ingredient-epoch
+        assert len((run_dir / mode / "metrics.csv").read_text().splitlines()) == 1 + K * 5
 
 
 def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ladle.config import add_recipe_arguments, recipe_from_args
 from ladle.errors import LadleError
+from ladle.metrics import LOGGERS, check_loggers
 from ladle.varrate.compression import COMPRESSORS, SCHEDULES, RateSchedule, build_compressor
 from ladle.varrate.engine import EVAL_EVERY, VarrateOptions
 from ladle.varrate.ranks import run_spawned, run_torchrun
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a collective may wait before the run fails (default 300)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (default cores / local ranks)")
+    parser.add_argument("--log", action="append", default=[], choices=LOGGERS,
+                        help="also log the training curve to TensorBoard event files in the run directory "
+                             "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -82,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     schedule = RateSchedule(args.schedule, args.rate_max, args.rate_min, args.rate_fraction,
                             _parse_steps(args.rate_steps))
     build_compressor(args.compress)
+    check_loggers(args.log)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if ranks is None:
         ranks = 0 if under_torchrun else 4
     options = VarrateOptions(ranks, args.partition, schedule, args.compress, args.device, args.timeout,
-                             args.threads, args.eval_every)
+                             args.threads, args.eval_every, tuple(args.log))
     if under_torchrun:
         meta = run_torchrun(recipe, options, args.run_dir, args.data_root)
     else:

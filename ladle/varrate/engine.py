@@ -23,6 +23,7 @@ from ladle.config import Recipe
 from ladle.engine import BestEpoch
 from ladle.errors import LadleError
 from ladle.evaluation import Metrics, metric_sums
+from ladle.metrics import EpochLogger, merge_metrics
 from ladle.models import GNN, Features, GCNLayer, SAGELayer, build_model, project_features, use_sparse_features
 from ladle.report import report_entry, write_bytes_report
 from ladle.rundir import RunDir
@@ -137,6 +138,7 @@ class VarrateOptions:
     timeout: float = 300.0
     threads: int = 0  # 0: cores / ranks on this machine
     eval_every: int = EVAL_EVERY
+    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.metrics.LOGGERS)
 
 
 def _metrics(model: GNN, part: RankData, exchange: HaloExchange) -> list[float]:
@@ -159,7 +161,9 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     best-validation evaluation's weights and test accuracy are kept, with early stopping after
     ``patience`` epochs. Every epoch all-reduces the loss and the byte counters (counted as
     ``metrics``). Rank 0 writes the weights, the metadata and the report into ``run_dir``
-    (:class:`~ladle.rundir.RunDir`) and returns the metadata; other ranks return None.
+    (:class:`~ladle.rundir.RunDir`) and returns the metadata; other ranks return None. Rank 0 also logs
+    the run's curve (:mod:`ladle.metrics`, role ``varrate``): the all-reduced training loss every epoch,
+    validation at each evaluation.
     """
     if options.eval_every < 1:
         raise LadleError(f"--eval-every must be >= 1 epoch, got {options.eval_every}")
@@ -178,6 +182,8 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     training, sent_total, last_eval = 0, setup, -1
     bar = tqdm(total=recipe.epochs, desc=f"varrate {options.schedule.kind}", dynamic_ncols=True,
                disable=True if rank != 0 else None)
+    curves = EpochLogger(run_dir, "varrate", "varrate", options.log) if rank == 0 and run_dir is not None else None
+    start = time.perf_counter()
     if rank == 0:
         log.info("training %d ranks, %s partition, schedule %s, compressor %s, %d epochs, evaluating every %d",
                  world, options.partition, options.schedule.kind, options.compressor, recipe.epochs,
@@ -207,6 +213,8 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
                 dist.all_reduce(local)
         except PeerFailure as error:
             bar.close()
+            if curves is not None:
+                curves.close()
             raise PeerFailure(f"rank {rank}, epoch {epoch}: {error}; another rank died or stalled for more than "
                               f"{options.timeout:g} s (--timeout) - check its output") from None
         total = local.cpu().tolist()
@@ -225,6 +233,10 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
                 if rank == 0:
                     best_state = copy.deepcopy(model.state_dict())
             last_eval = epoch
+        if curves is not None:
+            checked = Metrics(row["val_acc"], row["val_loss"]) if evaluating else None
+            curves.epoch(epoch, k=None, train_loss=total[0], val=checked, lr=optimizer.param_groups[0]["lr"],
+                         seconds=time.perf_counter() - start)
         history.append(row | counts | {
             "best_test_acc": best_test, "training_bytes": training, "total_bytes": sent_total,
             "step_seconds": step_seconds, "eval_seconds": time.perf_counter() - began - step_seconds,
@@ -238,7 +250,9 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     bar.close()
     if rank != 0:
         return None
-    assert run_dir is not None
+    assert run_dir is not None and curves is not None
+    curves.close()
+    merge_metrics(run_dir)
     files = RunDir(run_dir)
     model.load_state_dict(best_state)
     save_state(files.varrate_model, model.state_dict())
