@@ -9,8 +9,8 @@ from torch_geometric.data import Data
 
 from ladle.basin import barrier, distance, ingredient_distances
 from ladle.config import load_recipe
+from ladle.evaluation import evaluate
 from ladle.models import build_model, graph_inputs
-from ladle.train import evaluate
 
 ALPHAS = [i / 10 for i in range(11)]
 
@@ -28,7 +28,7 @@ def test_barrier_is_zero_between_identical_ingredients_on_cora(cora_data: Data, 
     accuracies = []
     for alpha in ALPHAS:
         model.load_state_dict(_mix(state, state, alpha))
-        accuracies.append(evaluate(model, inputs, cora_data.y, cora_data.val_mask)[0])
+        accuracies.append(evaluate(model, inputs, cora_data.y, cora_data.val_mask).acc)
     assert barrier(ALPHAS, accuracies) == 0.0
     assert distance(state, _mix(state, state, 0.3)) == 0.0
 
