@@ -168,7 +168,7 @@ def main() -> None:
                         for seed in range(args.seeds)]
             record = {"label": label, "recipe": recipe_name, "overrides": overrides, "init": init,
                       "ingredients": args.ingredients, "rows": rows}
-            name = label.lower().replace(" ", "-").replace(",", "")
+            name = label.lower().replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
             (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
             if experiment in TRUNK_EXPERIMENTS:  # one file per experiment, a record per label (latest kept)
                 records = [r for r in records if r["label"] != label] + [record]
