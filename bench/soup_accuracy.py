@@ -136,8 +136,8 @@ def trunk_table(label: str, rows: list[dict[str, Any]]) -> str:
     return f"| {label} | {len(rows)} | " + " | ".join(cells) + f" | {barrier:.1f} |"
 
 
-TRUNK_HEADER = ("| experiment | seeds | baseline | trunk alone | mean ingr. | best-val ingr. | best soup (val) | uniform "
-                "| GIS | ensemble | max barrier |\n|" + "---|" * 11)
+TRUNK_HEADER = ("| experiment | seeds | baseline | trunk alone | mean ingr. | best-val ingr. | best soup (val) "
+                "| uniform | GIS | ensemble | max barrier |\n|" + "---|" * 11)
 HEADER = ("| experiment | baseline | mean ingr. | best ingr. | uniform | greedy | GIS (acc) | GIS (loss) | "
           "GIS (acc+loss) | GIS fast | ensemble |\n|" + "---|" * 11)
 
@@ -168,7 +168,7 @@ def main() -> None:
                         for seed in range(args.seeds)]
             record = {"label": label, "recipe": recipe_name, "overrides": overrides, "init": init,
                       "ingredients": args.ingredients, "rows": rows}
-            name = label.lower().replace(" ", "-").replace(",", "")
+            name = label.lower().replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
             (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
             if experiment in TRUNK_EXPERIMENTS:  # one file per experiment, a record per label (latest kept)
                 records = [r for r in records if r["label"] != label] + [record]

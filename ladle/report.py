@@ -106,7 +106,8 @@ def basin_line(basin: dict[str, Any]) -> str:
     if worst["barrier"] > BASIN_POINTS:
         return (f"ingredients are not in one basin: the validation curve toward {worst['ingredient']} sags "
                 f"{worst['barrier']:.1f} points below its chord (barrier > {BASIN_POINTS:g} point)")
-    return f"one basin: every interpolation step's barrier is <= {BASIN_POINTS:g} point (largest {worst['barrier']:.1f})"
+    return (f"one basin: every interpolation step's barrier is <= {BASIN_POINTS:g} point "
+            f"(largest {worst['barrier']:.1f})")
 
 
 def basin_section(basin: dict[str, Any]) -> list[str]:

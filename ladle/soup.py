@@ -139,7 +139,8 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: 
     test = evaluator.split(result.state, "test_mask", False)
     return {"name": soup_name(result.method), "kind": "soup", "method": result.method, "val_acc": val.acc,
             "val_loss": val.loss, "test_acc": test.acc, "evaluations": result.evaluations,
-            "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas, "curves": result.curves,
+            "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas,
+            "curves": result.curves,
             "seconds": result.seconds, **settings, **result.report_fields()}
 
 

@@ -3,8 +3,9 @@ registry :data:`SOUPS` from method name to the function that makes that soup.
 
 Uniform (mean of all), greedy (Wortsman et al. 2022) and greedy interpolation (Graph Ladling) are
 here; when the ingredients branched from a trunk, greedy and greedy interpolation start from the
-trunk (uniform averages the ingredients alone). :mod:`ladle.learned` registers the learned soups. A new method is one function and one
-:func:`register` line; ``all`` is every registered method not registered with ``in_all=False``.
+trunk (uniform averages the ingredients alone). :mod:`ladle.learned` registers the learned soups. A
+new method is one function and one :func:`register` line; ``all`` is every registered method not
+registered with ``in_all=False``.
 """
 from __future__ import annotations
 

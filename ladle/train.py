@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/<recipe>-<time>)")
     init = parser.add_mutually_exclusive_group()
     init.add_argument("--shared-init", dest="init", action="store_const", const="shared",
-                      help="all ingredients start from the same weights (default)")
+                      help="all ingredients start from the same weights (default; with trunk.epochs > 0: the trunk)")
     init.add_argument("--independent-init", dest="init", action="store_const", const="independent",
                       help="each ingredient draws its own initial weights")
     parser.set_defaults(init="shared")
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of independent ingredients: K trainers whose weights are averaged every T "
                              "epochs (periodic averaging, the one mode that communicates); writes averaged.*")
     parser.add_argument("--baseline", action="store_true",
-                        help="also train one full-graph model for the same epochs (the soup's reference)")
+                        help="also train one full-graph model for trunk.epochs + epochs (the soup's reference)")
     parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where to train")
     parser.add_argument("--backend", default="local", choices=("local", "ray"),
                         help="local worker processes (default) or a Ray cluster (pip install 'ladle[ray]')")
