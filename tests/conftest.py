@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +76,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
+    """Start ``python -m ladle.train`` on ``run_dir`` and SIGKILL it (whole process group) as soon as the
+    file ``marker`` appears there: a crash in the middle of training."""
+    process = subprocess.Popen([sys.executable, "-m", "ladle.train", *args, "--run-dir", str(run_dir)], cwd=PROJECT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / marker).exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, f"training finished before {marker} appeared, so it could not be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+

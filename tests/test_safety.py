@@ -4,16 +4,12 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PROJECT, run_module
+from conftest import run_module, train_then_kill
 from ladle.checkpoints import load_state, save_state, write_json
 from ladle.errors import LadleError
 
@@ -69,16 +65,7 @@ def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Pat
                            str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ladle.train", *TRAIN_ARGS, "--data-root", str(data_root), "--run-dir", str(run_dir)],
-        cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    progress = run_dir / "ingredient-00.progress.safetensors"
-    deadline = time.monotonic() + 240
-    while not progress.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "training finished before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    train_then_kill([*TRAIN_ARGS, "--data-root", str(data_root)], run_dir, "ingredient-00.progress.safetensors")
     assert not (run_dir / "ingredient-01.safetensors").exists()
     resumed = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
     assert resumed.returncode == 0, resumed.stderr

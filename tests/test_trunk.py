@@ -3,17 +3,12 @@ bitwise-identically, no trunk is today's run, keys are validated, and the report
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PROJECT, run_module
+from conftest import run_module, train_then_kill
 from ladle.checkpoints import load_state, save_state
 from ladle.config import load_recipe
 from ladle.engine import MIN_SELECTION_NODES, IngredientTask, train_ingredient
@@ -123,16 +118,7 @@ def test_sigkill_in_the_trunk_then_resume_is_bitwise_identical(data_root: Path, 
                            str(tmp_path / "reference"), timeout=600)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ladle.train", *TRUNK_ARGS, "--data-root", str(data_root), "--run-dir", str(run_dir)],
-        cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    progress = run_dir / "trunk.progress.safetensors"
-    deadline = time.monotonic() + 240
-    while not progress.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "the trunk finished before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    train_then_kill([*TRUNK_ARGS, "--data-root", str(data_root)], run_dir, "trunk.progress.safetensors")
     assert not (run_dir / "trunk.safetensors").exists()
     resumed = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root),
                          timeout=600)
