@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from torch import Tensor
 from tqdm import tqdm
 
 import ladle.learned  # noqa: F401  (registers the learned soups in SOUPS)
@@ -52,13 +52,17 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     if metric not in SOUP_METRICS:
         raise LadleError(f"--metric must be one of {', '.join(SOUP_METRICS)}")
     recompute = options.recompute_bn if recompute_bn is None else recompute_bn
+    methods = ALL if method == "all" else [method]
+    unknown = [name for name in methods if name not in SOUPS]
+    if unknown:
+        raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
     evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None)
-    methods = ALL if method == "all" else [method]
-    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast), desc="soup scoring",
+    trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
+    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
                unit="candidate", dynamic_ncols=True, disable=None)
 
     def score(state: StateDict) -> Metrics:
@@ -67,16 +71,15 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
 
     start = time.perf_counter()
     ingredient_val = [score(s) for s in bundle.states]
-    rows = [{"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
-             "test_acc": evaluator.split(state, "test_mask", recompute).acc}
-            for name, state, val in zip(bundle.names, bundle.states, ingredient_val)]
+    rows, logit_sum = [], None  # one whole-graph pass per ingredient: its test accuracy, and the ensemble's sum
+    for name, state, val in zip(bundle.names, bundle.states, ingredient_val):
+        logits = evaluator.full_logits(state, recompute)
+        logit_sum = logits.clone() if logit_sum is None else logit_sum.add_(logits)
+        rows.append({"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
+                     "test_acc": evaluator.split_metrics(logits)["test_acc"]})
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
     setup_seconds = time.perf_counter() - start
 
-    unknown = [name for name in methods if name not in SOUPS]
-    if unknown:
-        raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
-    trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
     inputs = SoupInputs(bundle.states, order, score, metric, grid, fast, evaluator, recipe.seed, trunk)
     soups: list[SoupResult] = []
     for name in methods:
@@ -87,7 +90,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     bar.total = bar.n  # the fast alpha search may skip points it already scored
     bar.close()
 
-    references = _references(files, bundle, evaluator, recompute)
+    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, recompute)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, recompute, bundle.names, settings) for result in soups]
     basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
@@ -116,29 +119,28 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     return report
 
 
-def planned_scorings(methods: list[str], ingredients: int, grid: int, fast: bool) -> int:
+def planned_scorings(methods: list[str], ingredients: int, grid: int, fast: bool, trunk: bool = False) -> int:
     """Validation scorings of the ingredients and of the candidates of ``methods`` (at most, for the fast alpha
-    search): K, then greedy K (its start, then each next ingredient), gis K - 1 alpha searches (``grid``
-    points, or the fast search's 5 points and 2 per halving of the step); uniform and the learned soups
-    score no candidate here."""
+    search): K, then over the C candidates (the K ingredients, and the trunk first when the run has one)
+    greedy C (its start, then each next one), gis C - 1 alpha searches (``grid`` points, or the fast
+    search's 5 points and 2 per halving of the step); uniform and the learned soups score no candidate here."""
     halvings, step = 0, 0.25
     while step > 1.0 / (grid - 1):
         step, halvings = step / 2, halvings + 1
     per_search = 5 + 2 * halvings if fast else grid
-    greedy = ingredients if "greedy" in methods else 0
-    return ingredients + greedy + ((ingredients - 1) * per_search if "gis" in methods else 0)
+    candidates = ingredients + int(trunk)
+    greedy = candidates if "greedy" in methods else 0
+    return ingredients + greedy + ((candidates - 1) * per_search if "gis" in methods else 0)
 
 
 def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: list[str],
               settings: dict[str, Any]) -> dict[str, Any]:
     """A soup's report row, scored on whole splits; its batch-norm statistics recomputed first (in place)."""
+    logits = evaluator.full_logits(result.state, recompute)  # one pass; batch-norm statistics recomputed first
     if recompute and evaluator.model.has_batch_norm():
-        evaluator.load(result.state, True)
         result.state = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
-    val = evaluator.split(result.state, "val_mask", False)
-    test = evaluator.split(result.state, "test_mask", False)
-    return {"name": soup_name(result.method), "kind": "soup", "method": result.method, "val_acc": val.acc,
-            "val_loss": val.loss, "test_acc": test.acc, "evaluations": result.evaluations,
+    return {"name": soup_name(result.method), "kind": "soup", "method": result.method,
+            **evaluator.split_metrics(logits), "evaluations": result.evaluations,
             "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas,
             "curves": result.curves,
             "seconds": result.seconds, **settings, **result.report_fields()}
@@ -161,14 +163,17 @@ def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], 
                           for name, d in zip(bundle.names, distances)]}
 
 
-def _references(files: RunDir, bundle: Ingredients, evaluator: Evaluator, recompute: bool) -> list[dict[str, Any]]:
-    """What the soups are compared with, not soups themselves: the logit ensemble, and the run's trunk,
-    periodically averaged model and full-graph baseline when it has them."""
-    logits = torch.stack([evaluator.full_logits(s, recompute) for s in bundle.states]).mean(0)
-    references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(logits)}]
-    for name in (TRUNK, AVERAGED, BASELINE):
-        if files.weights(name).exists():
-            logits = evaluator.full_logits(load_state(files.weights(name)), recompute)
+def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evaluator: Evaluator,
+                recompute: bool) -> list[dict[str, Any]]:
+    """What the soups are compared with, not soups themselves: the logit ensemble (``ensemble``: the
+    ingredients' mean logits), and the run's trunk, periodically averaged model and full-graph baseline
+    when it has them."""
+    references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(ensemble)}]
+    models = {TRUNK: trunk} | {name: load_state(files.weights(name)) for name in (AVERAGED, BASELINE)
+                               if files.weights(name).exists()}
+    for name, state in models.items():
+        if state is not None:
+            logits = evaluator.full_logits(state, recompute)
             references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits)})
     return references
 
