@@ -122,13 +122,14 @@ def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientVi
         if not bool(batch.loss_mask.any()):
             continue
         loss = batch_loss(model(batch_input), batch.to(device))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{name}: loss became {loss.item()} at epoch {epoch}; "
+        value = loss.item()  # one device sync a batch: the finiteness check and the epoch's mean loss
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{name}: loss became {value} at epoch {epoch}; "
                                      "lower lr or check the features")
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(value)
     return sum(losses) / len(losses) if losses else float("nan")
 
 

@@ -20,10 +20,14 @@ BALANCE_KINDS = ("none", "labels")
 CLUSTERS_PER_PART = 16
 
 
+def stream_seed(seed: int, *stream: int) -> int:
+    """A 64-bit seed for the random stream ``(seed, *stream)``; distinct streams are independent."""
+    return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0])
+
+
 def stream_generator(seed: int, *stream: int) -> torch.Generator:
-    """A torch generator for the random stream ``(seed, *stream)``; distinct streams are independent."""
-    state = np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
+    """A torch generator for the random stream ``(seed, *stream)``."""
+    return torch.Generator().manual_seed(stream_seed(seed, *stream))
 
 
 class InEdges:

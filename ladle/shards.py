@@ -299,7 +299,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     temp = root / f".{target.name}.{os.getpid()}.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     try:
-        meta = _build(recipe, ingredients, data_root, temp)
+        meta = _build(recipe, ingredients, data_root, temp, inputs)
         write_json(temp / "shards.json", meta | {"key": target.name, "seconds": time.perf_counter() - start})
         if stale:
             shutil.rmtree(target)  # forced, or found incomplete
@@ -315,7 +315,8 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     return ShardSet.open(target)
 
 
-def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folder: Path) -> dict[str, Any]:
+def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folder: Path,
+           inputs: dict[str, Any]) -> dict[str, Any]:
     """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``."""
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     view = build_view(data, recipe.view, 0, ingredients, recipe.seed)  # bad view settings fail here
@@ -335,7 +336,7 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     if partition is not None:
         with atomic_open(folder / "partition.npy") as stream:
             np.save(stream, partition.numpy(), allow_pickle=False)
-    return {"format": SHARD_FORMAT, "inputs": shard_inputs(recipe, ingredients, data_root),
+    return {"format": SHARD_FORMAT, "inputs": inputs,
             "graph": {k: v for k, v in graph.items() if k != "arrays"}, "parts": parts,
             "partition": partition is not None, "created": dt.datetime.now().isoformat(timespec="seconds")}
 

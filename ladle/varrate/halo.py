@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -15,6 +14,7 @@ from torch_geometric.data import Data
 
 from ladle.errors import LadleError
 from ladle.models import adjacency
+from ladle.partition import stream_seed
 from ladle.sparse import SparseMatrix
 from ladle.varrate.compression import Compressor
 from ladle.views import PARTITION_KINDS, ViewConfig, build_view
@@ -138,7 +138,7 @@ class Traffic:
 
 def exchange_key(seed: int, step: int, layer: int) -> int:
     """The shared random key of one layer's exchange in one step (the same on every rank)."""
-    return int(np.random.SeedSequence([seed, step, layer]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return stream_seed(seed, step, layer) >> 1
 
 
 @dataclass(eq=False)
