@@ -18,6 +18,7 @@ from ladle.config import Recipe
 from ladle.inference import LayerwiseInference
 from ladle.models import GNN, GraphInputs, adjacency, build_model, use_sparse_features
 from ladle.sparse import SparseMatrix, select
+from ladle.targets import TargetInference, sample_targets, supports
 
 Score = tuple[float, ...]
 Scorer = Callable[[StateDict], "Metrics"]
@@ -105,6 +106,7 @@ def recompute_batch_norm(model: nn.Module, inputs: GraphInputs) -> None:
 
 
 LAYERWISE_NODES = 100_000  # from this many nodes the soups score validation layer-wise on the whole graph
+VALIDATION_SAMPLE = 20_000  # at that scale, candidates are scored on at most this many validation nodes
 
 
 class Evaluator:
@@ -116,16 +118,42 @@ class Evaluator:
     exactly. With ``layerwise`` (default: from :data:`LAYERWISE_NODES` nodes on, where that neighbourhood
     is most of the graph) validation is layer-wise too, no whole-graph adjacency is ever built, and
     batch-norm statistics are re-estimated on the training nodes layer by layer
-    (:meth:`~ladle.inference.LayerwiseInference.logits`). The neighbourhoods are built on first use.
+    (:meth:`~ladle.inference.LayerwiseInference.logits`). There, GCN and SAGE candidates are scored on a
+    fixed seeded sample of at most :data:`VALIDATION_SAMPLE` validation nodes (all of them when fewer), by
+    :class:`~ladle.targets.TargetInference` (exact logits of those nodes, the first aggregation computed
+    once); :attr:`validation_nodes` says how many. Report rows are always scored on whole splits.
+    The neighbourhoods are built on first use. ``inference``: the graph's layer-wise inference when the
+    caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``.
     """
 
-    def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None) -> None:
+    def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None,
+                 inference: LayerwiseInference | None = None) -> None:
         self.recipe, self.data = recipe, data
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.sparse_features = use_sparse_features(data.x, recipe.model)
         self.layerwise = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
-        self.inference = LayerwiseInference.from_data(data)
+        self._inference = inference
         self.train_nodes = data.train_mask.nonzero().view(-1)
+
+    @cached_property
+    def inference(self) -> LayerwiseInference:
+        """Layer-wise whole-graph inference (from ``data.edge_index`` unless given)."""
+        return self._inference or LayerwiseInference.from_data(self.data)
+
+    @cached_property
+    def val_targets(self) -> TargetInference:
+        """Exact logits of the (sampled) validation nodes for any GCN/SAGE weights (layer-wise mode)."""
+        targets = sample_targets(self.data.val_mask, VALIDATION_SAMPLE, self.recipe.seed)
+        return TargetInference(self.inference.x, self.inference.rowptr, self.inference.col, targets,
+                               self.recipe.layers)
+
+    @property
+    def validation_nodes(self) -> tuple[int, int]:
+        """How many validation nodes candidates are scored on, of how many."""
+        total = int(self.data.val_mask.sum())
+        if self.layerwise and supports(self.model):
+            return min(total, VALIDATION_SAMPLE), total
+        return total, total
 
     @cached_property
     def full_adj(self) -> Tensor | SparseMatrix:
@@ -181,7 +209,11 @@ class Evaluator:
         return model(inputs)
 
     def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
-        """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise)."""
+        """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise: on the
+        sampled validation nodes for GCN/SAGE without batch norm to recompute, else on all of them)."""
+        if self.layerwise and supports(self.model) and not self._recomputes(recompute_bn):
+            self.model.load_state_dict(state)
+            return metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
         if self.layerwise:
             return self.split(state, "val_mask", recompute_bn)
         inputs, y, where = self.val

@@ -44,7 +44,19 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("basin"):
         lines.append(basin_line(report["basin"]))
     lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
+    if validation_line(report):
+        lines.append(validation_line(report))
     return "\n".join(lines)
+
+
+def validation_line(report: dict[str, Any]) -> str:
+    """Where candidates were scored, when it was a sample of the validation split (else empty)."""
+    validation = report.get("validation") or {}
+    if validation.get("nodes", 0) >= validation.get("of", 0):
+        return ""
+    return (f"candidates scored on a fixed sample of {validation['nodes']:,} of {validation['of']:,} validation "
+            f"nodes (standard error of an accuracy there: {100 * validation['stderr']:.2f} points); "
+            "the table's val column is the whole split")
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -54,6 +66,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "",
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
         f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
+        *([validation_line(report)] if validation_line(report) else []),
         "",
         "| model | val acc | test acc | note |",
         "|---|---|---|---|",

@@ -13,19 +13,23 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor
+from torch_geometric.data import Data
 from tqdm import tqdm
 
 import ladle.learned  # noqa: F401  (registers the learned soups in SOUPS)
 from ladle.checkpoints import StateDict, load_state, read_json, save_state, write_json
-from ladle.config import SOUP_METHODS, SOUP_METRICS, recipe_from_dict
+from ladle.config import SOUP_METHODS, SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
 from ladle.evaluation import Evaluator, Metrics, SoupResult
+from ladle.inference import LayerwiseInference
 from ladle.report import format_table, write_report
 from ladle.basin import barrier, ingredient_distances
 from ladle.rundir import (AVERAGED, BASELINE, TRUNK, Ingredients, RunDir, check_free, load_ingredients,
                           lock_run_dir, resolve_run_dir, soup_name)
+from ladle.shards import ShardSet, load_shard, shard_inputs
 from ladle.soups import ALL, SOUPS, TRUNK_INDEX, SoupInputs
+from ladle.targets import accuracy_stderr
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +60,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     unknown = [name for name in methods if name not in SOUPS]
     if unknown:
         raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
-    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
+    data, inference = _graph(files, recipe, data_root)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
-    evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None)
+    evaluator = Evaluator(recipe, data, layerwise=True if method == "learned-partition" else None,
+                          inference=inference)
     trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
     bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
                unit="candidate", dynamic_ncols=True, disable=None)
@@ -102,6 +107,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
         "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
+        "validation": _validation(evaluator, rows),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
@@ -117,6 +123,30 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                            | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
             write_report(files.path, report)
     return report
+
+
+def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None) -> tuple[Data, LayerwiseInference | None]:
+    """The run's graph: its whole-graph shard, memory-mapped with its CSR (no second load of the dataset),
+    when the run's shards are still there and match the dataset's files; else the dataset, loaded."""
+    try:
+        shards = ShardSet.open(files.shards)
+        usable = shards.complete() and shards.meta["inputs"] == shard_inputs(
+            recipe, shards.meta["inputs"]["ingredients"], data_root)
+    except (LadleError, OSError, KeyError, TypeError):
+        usable = False
+    if not usable:
+        log.info("the run's shards are gone or stale; loading %s", recipe.dataset)
+        return load_dataset(recipe.dataset, data_root, recipe.split, recipe.features), None
+    shard = load_shard(shards.graph())
+    return shard.data, LayerwiseInference.from_shard(shard)
+
+
+def _validation(evaluator: Evaluator, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How candidates were scored: on how many validation nodes of how many, and, when sampled, the standard
+    error of an accuracy there (at the best ingredient's whole-split accuracy)."""
+    used, total = evaluator.validation_nodes
+    best = max(row["val_acc"] for row in rows)
+    return {"nodes": used, "of": total, "stderr": accuracy_stderr(best, used) if used < total else 0.0}
 
 
 def planned_scorings(methods: list[str], ingredients: int, grid: int, fast: bool, trunk: bool = False) -> int:

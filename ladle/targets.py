@@ -1,0 +1,133 @@
+"""Exact eval-mode logits of a fixed set of target nodes, for scoring many candidate weights cheaply.
+
+A soup scores dozens of candidates on the same validation nodes. Layer ``l`` is computed only where
+layer ``l + 1`` reads it (the targets' in-neighbourhood, hop by hop), and the first layer's aggregation
+of the input features does not depend on the weights: GCN's ``Â X W = (Â X) W`` and SAGE's
+``mean(X) W_l + X W_r`` are linear in ``W``. So ``Â X`` (or the mean and the roots' own ``X``) is computed
+once for the 1-hop nodes, and each candidate costs a dense product on those rows and small sparse
+products above them. On a 2.45M-node graph with 20,000 targets that is ~0.2 s instead of a whole-graph pass.
+
+Normalisation uses whole-graph degrees (from the in-edge CSR), so the logits equal the whole graph's.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ladle.models import GCNLayer, GNN, SAGELayer
+
+
+def supports(model: GNN) -> bool:
+    """Whether every layer's maths is linear in its weights after one fixed aggregation (GCN, SAGE)."""
+    return all(isinstance(conv, (GCNLayer, SAGELayer)) for conv in model.convs)
+
+
+def sample_targets(mask: Tensor, limit: int, seed: int) -> Tensor:
+    """The nodes of ``mask`` (sorted), or a fixed seeded sample of ``limit`` of them when there are more."""
+    nodes = mask.nonzero().view(-1)
+    if nodes.numel() <= limit:
+        return nodes
+    generator = torch.Generator().manual_seed(seed)
+    return nodes[torch.randperm(nodes.numel(), generator=generator)[:limit]].sort().values
+
+
+def accuracy_stderr(acc: float, nodes: int) -> float:
+    """Standard error of an accuracy measured on ``nodes`` nodes drawn from a larger split."""
+    return math.sqrt(max(acc * (1.0 - acc), 0.0) / max(nodes, 1))
+
+
+class TargetInference:
+    """``model(graph)[targets]`` for a fixed ``targets`` (sorted global ids), for any GCN or SAGE weights.
+
+    ``rowptr``/``col``: the whole graph's in-edge CSR (row ``v`` lists the sources of ``u -> v``), as
+    :mod:`ladle.shards` stores it; ``x``: its features (read once, here). ``layers``: the model's depth.
+    """
+
+    def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, targets: Tensor, layers: int) -> None:
+        self.targets = targets
+        num_nodes = rowptr.numel() - 1
+        in_degree = rowptr.diff().float().unsqueeze(1)
+        gcn_scale = (in_degree + 1).pow(-0.5)
+        mean_scale = 1.0 / in_degree.clamp(min=1)
+        levels = [targets]  # levels[i]: the nodes where layer L - i is needed, each a superset of the last
+        for _ in range(layers - 1):
+            rows = levels[-1]
+            sources = col[_row_entries(rowptr, rows)]
+            levels.append(torch.cat([rows, sources]).unique())
+        levels.reverse()  # levels[l]: output nodes of layer l + 1
+        self.levels = levels
+        local = torch.full((num_nodes,), -1, dtype=torch.long)
+        # layer l >= 2 reads layer l - 1 at levels[l - 1]: each row's in-neighbours and itself, in local ids
+        self.adj: list[Tensor] = []
+        self.self_pos: list[Tensor] = []
+        for inner, outer in zip(levels[:-1], levels[1:]):
+            local[inner] = torch.arange(inner.numel())
+            entries = _row_entries(rowptr, outer)
+            counts = rowptr[outer + 1] - rowptr[outer]
+            crow = torch.zeros(outer.numel() + 1, dtype=torch.long)
+            crow[1:] = counts.cumsum(0)
+            self.adj.append(_csr(crow, local[col[entries]], (outer.numel(), inner.numel())))
+            self.self_pos.append(local[outer])
+            local[inner] = -1
+        self.gcn_scale = [gcn_scale[level] for level in levels]
+        self.gcn_scale_in = [gcn_scale[level] for level in levels[:-1]]
+        self.mean_scale = [mean_scale[level] for level in levels]
+        first = levels[0]
+        entries = _row_entries(rowptr, first)
+        crow = torch.zeros(first.numel() + 1, dtype=torch.long)
+        crow[1:] = (rowptr[first + 1] - rowptr[first]).cumsum(0)
+        neighbours = _csr(crow, col[entries], (first.numel(), num_nodes))
+        roots = x[first].float()
+        # the weight-free first aggregation: Â X (GCN) and mean_{in-neighbours} X (SAGE), on the first level
+        self.gcn_first = gcn_scale[first] * (neighbours @ (gcn_scale * x.float()) + gcn_scale[first] * roots)
+        self.mean_first = mean_scale[first] * (neighbours @ x.float())
+        self.roots = roots
+
+    @torch.no_grad()
+    def logits(self, model: GNN) -> Tensor:
+        """``model``'s eval-mode logits of the targets, ``[len(targets), classes]`` (batch-norm statistics as held)."""
+        model.eval()
+        h = Tensor()
+        for i, conv in enumerate(model.convs):
+            if i == 0:
+                h = self._first(conv)
+            else:
+                h = self._upper(conv, h, i)
+            if i < len(model.convs) - 1:
+                h = F.relu(model.norms[i](h))
+        return h
+
+    def _first(self, conv: nn.Module) -> Tensor:
+        if isinstance(conv, GCNLayer):
+            out = self.gcn_first @ conv.lin.weight.t()
+            return out + conv.bias if conv.bias is not None else out
+        assert isinstance(conv, SAGELayer)
+        return self.mean_first @ conv.lin_l.weight.t() + conv.lin_l.bias + self.roots @ conv.lin_r.weight.t()
+
+    def _upper(self, conv: nn.Module, h: Tensor, layer: int) -> Tensor:
+        adj, self_pos = self.adj[layer - 1], self.self_pos[layer - 1]
+        if isinstance(conv, GCNLayer):
+            projected = (h @ conv.lin.weight.t()) * self.gcn_scale_in[layer - 1]
+            out = (adj @ projected + projected[self_pos]) * self.gcn_scale[layer]
+            return out + conv.bias if conv.bias is not None else out
+        assert isinstance(conv, SAGELayer)
+        out = (adj @ (h @ conv.lin_l.weight.t())) * self.mean_scale[layer] + conv.lin_l.bias
+        return out + h[self_pos] @ conv.lin_r.weight.t()
+
+
+def _row_entries(rowptr: Tensor, rows: Tensor) -> Tensor:
+    """Positions in ``col`` of the entries of ``rows``, row after row."""
+    starts, counts = rowptr[rows], rowptr[rows + 1] - rowptr[rows]
+    offsets = torch.repeat_interleave(starts - (counts.cumsum(0) - counts), counts)
+    return offsets + torch.arange(int(counts.sum()))
+
+
+def _csr(crow: Tensor, columns: Tensor, size: tuple[int, int]) -> Tensor:
+    """A float CSR matrix of ones (beta-API warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return torch.sparse_csr_tensor(crow, columns, torch.ones(columns.numel()), size, check_invariants=False)

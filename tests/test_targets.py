@@ -1,0 +1,73 @@
+"""Target-node inference (the soups' validation scoring at scale): exact logits of a node set, the
+first aggregation computed once, and the fixed validation sample."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ladle import evaluation
+from ladle.config import load_recipe
+from ladle.evaluation import Evaluator, metrics
+from ladle.inference import LayerwiseInference
+from ladle.models import build_model
+from ladle.targets import TargetInference, accuracy_stderr, sample_targets, supports
+
+
+def _random_model(recipe, data, seed: int):
+    torch.manual_seed(seed)
+    model = build_model(recipe, data.num_features, data.num_classes)
+    with torch.no_grad():  # biases and norm parameters away from zero / one
+        for name, tensor in model.state_dict().items():
+            if name.endswith(("bias", "running_mean")) or "norms" in name and name.endswith("weight"):
+                tensor.normal_(0.0, 0.5)
+            elif name.endswith("running_var"):
+                tensor.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("overrides", [["model=gcn"], ["model=sage"], ["model=gcn", "layers=3", "norm=layer"],
+                                       ["model=sage", "layers=3", "norm=batch"], ["model=gcn", "layers=1"]])
+def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[str]) -> None:
+    recipe = load_recipe(None, overrides)
+    model = _random_model(recipe, cora_data, seed=len(overrides))
+    whole = LayerwiseInference.from_data(cora_data)
+    targets = sample_targets(cora_data.test_mask, 300, seed=1)
+    inference = TargetInference(whole.x, whole.rowptr, whole.col, targets, recipe.layers)
+    expected = whole.logits(model)[targets]
+    got = inference.logits(model)
+    assert expected.abs().max() > 0.1
+    assert (got - expected).abs().max() <= 1e-5
+    if recipe.layers > 1:  # only the targets' neighbourhood is computed below the last layer
+        assert inference.levels[0].numel() < cora_data.num_nodes
+
+
+def test_gat_is_not_supported(cora_data) -> None:
+    recipe = load_recipe(None, ["model=gat"])
+    assert not supports(build_model(recipe, cora_data.num_features, cora_data.num_classes))
+
+
+def test_sample_is_fixed_sorted_and_inside_the_mask(cora_data) -> None:
+    mask = cora_data.test_mask
+    first, again, other = (sample_targets(mask, 100, seed) for seed in (0, 0, 1))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert first.numel() == 100 and bool(mask[first].all()) and bool((first.diff() > 0).all())
+    assert torch.equal(sample_targets(mask, 10**6, 0), mask.nonzero().view(-1))  # small splits whole
+
+
+def test_stderr_of_an_accuracy() -> None:
+    assert accuracy_stderr(0.9, 20_000) == pytest.approx((0.9 * 0.1 / 20_000) ** 0.5)
+    assert accuracy_stderr(1.0, 10) == 0.0
+
+
+def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_data, monkeypatch) -> None:
+    monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 200)
+    recipe = load_recipe(None)
+    model = _random_model(recipe, cora_data, seed=3)
+    state = model.state_dict()
+    evaluator = Evaluator(recipe, cora_data, layerwise=True)
+    assert evaluator.validation_nodes == (200, int(cora_data.val_mask.sum()))
+    sample = sample_targets(cora_data.val_mask, 200, recipe.seed)
+    expected = metrics(evaluator.full_logits(state)[sample], cora_data.y[sample])
+    scored = evaluator.validation(state)
+    assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
+    assert Evaluator(recipe, cora_data).validation_nodes == (500, 500)  # small graphs: every node, exactly
