@@ -317,11 +317,16 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
 
 def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folder: Path,
            inputs: dict[str, Any]) -> dict[str, Any]:
-    """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``."""
+    """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``.
+
+    The memory stays near one copy of the graph: its edges are held once, as the in-edge CSR (the
+    dataset's ``edge_index`` is dropped once that is built), and the per-node arrays are read back
+    memory-mapped from the whole-graph shard as soon as it is written, so partitioning and each part
+    touch only the rows they need.
+    """
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
-    view = build_view(data, recipe.view, 0, ingredients, recipe.seed)  # bad view settings fail here
-    partition: Tensor | None = getattr(view, "parts", None)
-    adj = view.adj  # the in-edge CSR, already built when the view partitioned the graph
+    adj = InEdges(data.edge_index, data.num_nodes)
+    data.edge_index = None
     common = {"dataset": recipe.dataset.lower(), "view": recipe.view.kind}
     partitioned = recipe.view.kind in PARTITION_KINDS
     with tqdm(total=1 + (ingredients if partitioned else 0), desc=f"preparing shards of {recipe.dataset}", unit="shard",
@@ -329,6 +334,11 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
         graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
                             {**common, "k": None, "num_ingredients": ingredients})
         bar.update(1)
+        for name in ("x", "y", *_MASKS):
+            data[name] = torch.from_numpy(np.load(folder / "graph" / f"{name}.npy", mmap_mode="c"))
+        view = build_view(data, recipe.view, 0, ingredients, recipe.seed, adj=adj)  # bad K etc. fail here
+        partition: Tensor | None = getattr(view, "parts", None)
+        del view
         parts: list[str] = []
         if partitioned:
             assert partition is not None

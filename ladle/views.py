@@ -135,7 +135,7 @@ class IngredientView:
     static: bool = False
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None) -> None:
+                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
         self.kind = config.kind
         self.k = k
         self.num_ingredients = num_ingredients
@@ -144,11 +144,12 @@ class IngredientView:
         self.data = data
         self.num_classes = int(data.y.max()) + 1
         self._eval = _whole_graph(data)
+        self._adj = adj
 
     @cached_property
     def adj(self) -> InEdges:
-        """The in-edge CSR of the input graph, built on first use (the full view never needs it)."""
-        return InEdges(self.data.edge_index, self.data.num_nodes)
+        """The in-edge CSR of the input graph: the one given, or built on first use (the full view never needs it)."""
+        return self._adj if self._adj is not None else InEdges(self.data.edge_index, self.data.num_nodes)
 
     def batches(self, epoch: int) -> Iterator[Data]:
         """The training batches of one epoch (deterministic given ``seed``, ``k`` and ``epoch``)."""
@@ -194,8 +195,8 @@ class PartitionView(IngredientView):
     static = True
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed)
+                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
         if num_ingredients > data.num_nodes:
             raise ValueError(f"view.kind={self.kind}: cannot split {data.num_nodes} nodes into "
                              f"{num_ingredients} parts; use at most {data.num_nodes} ingredients")
@@ -236,8 +237,8 @@ class ClusterView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed)
+                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
         if config.parts > data.num_nodes:
             raise ValueError(f"view.parts={config.parts} is more than the {data.num_nodes} nodes of the graph")
         if config.parts_per_batch > config.parts:
@@ -279,8 +280,8 @@ class SaintView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed)
+                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
         num_nodes = data.num_nodes
         num_train = int(data.train_mask.sum())
         if num_train == 0:
@@ -369,8 +370,8 @@ class NeighborView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed)
+                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
         self.train_nodes = data.train_mask.nonzero().view(-1)
         if self.train_nodes.numel() == 0:
             raise ValueError("view.kind=neighbor needs train nodes; the train split is empty")
@@ -421,11 +422,12 @@ _VIEWS: dict[str, type[IngredientView]] = {
 
 
 def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-               partition: Tensor | None = None) -> IngredientView:
+               partition: Tensor | None = None, adj: InEdges | None = None) -> IngredientView:
     """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once).
 
     ``partition``: the node -> part ids of a ``metis``/``random``/``cluster`` view computed earlier
-    (the launcher computes it once per run, so all workers use the same one).
+    (the launcher computes it once per run, so all workers use the same one). ``adj``: the graph's
+    in-edge CSR when the caller built it already (then ``data.edge_index`` is never read).
     """
     if num_ingredients < 1:
         raise ValueError(f"the number of ingredients must be >= 1, got {num_ingredients}")
@@ -438,4 +440,4 @@ def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, see
         raise ValueError("the graph has no nodes")
     if partition is not None and partition.numel() != data.num_nodes:
         raise ValueError(f"the partition has {partition.numel()} entries but the graph {data.num_nodes} nodes")
-    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition)
+    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition, adj)

@@ -13,6 +13,7 @@ from ladle.config import load_recipe
 from ladle.errors import LadleError
 from ladle.launch import train_ingredients
 from ladle.models import adjacency, build_model, graph_inputs
+from ladle import partition as partition_module
 from ladle.partition import InEdges, label_balanced_partition, metis_partition
 from ladle.shards import load_shard, prepare_shards
 from ladle.views import ViewConfig, build_view
@@ -52,6 +53,32 @@ def test_label_balanced_partition_without_train_labels_still_balances_nodes(cora
     parts = label_balanced_partition(adj, 4, 0, torch.full((cora_data.num_nodes,), -1))
     sizes = torch.bincount(parts, minlength=4).double()
     assert float(sizes.max() / sizes.min()) < 1.05, sizes
+
+
+def test_in_edges_sorted_by_target_then_source(cora_data: Data) -> None:
+    adj = InEdges(cora_data.edge_index.flip(1), cora_data.num_nodes)  # any input order
+    keys = adj.dst * cora_data.num_nodes + adj.src
+    assert bool((keys.diff() >= 0).all()) and adj.src.numel() == cora_data.edge_index.size(1)
+    assert torch.equal(adj.rowptr.diff(), torch.bincount(cora_data.edge_index[1], minlength=cora_data.num_nodes))
+
+
+def test_metis_above_its_edge_budget_partitions_a_symmetric_sample(cora_data: Data, monkeypatch) -> None:
+    adj = InEdges(cora_data.edge_index, cora_data.num_nodes)
+    entries = adj.src.numel()
+    assert partition_module._metis_input(adj, 0)[1] is adj.src  # under the budget: the CSR as it is
+    monkeypatch.setattr(partition_module, "METIS_MAX_EDGES", entries // 2)
+    starts, sources = partition_module._metis_input(adj, 0)
+    targets = torch.repeat_interleave(torch.arange(cora_data.num_nodes), starts.diff())
+    kept = set(zip(sources.tolist(), targets.tolist()))
+    assert 0.4 * entries < len(kept) < 0.6 * entries  # about half the entries
+    assert all((v, u) in kept for u, v in kept)  # both directions of an edge together
+    assert torch.equal(partition_module._metis_input(adj, 0)[1], sources)  # seeded
+    assert not torch.equal(partition_module._metis_input(adj, 1)[1], sources)
+    parts = metis_partition(adj, K, 0)
+    assert torch.bincount(parts, minlength=K).min() > 0
+    src, dst = cora_data.edge_index  # still far better than random: cut measured on the whole graph
+    random = build_view(cora_data, ViewConfig(kind="random"), 0, K, seed=0).parts
+    assert (parts[src] != parts[dst]).sum() < 0.6 * (random[src] != random[dst]).sum()
 
 
 def _logits(model: torch.nn.Module, graph: Data, kind: str) -> Tensor:
