@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,16 @@ def test_ogb_missing_files_are_named_and_never_downloaded(tmp_path: Path) -> Non
     with pytest.raises(LadleError, match=r"never downloads it: .*<data root>/ogbn_products \(RELEASE_v1.txt"):
         load_dataset("ogbn-products", data_root=root)
     assert sorted(path.name for path in root.iterdir()) == ["ogbn_arxiv"]
+
+
+@needs_ogb
+def test_ogb_is_imported_without_its_pypi_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing ogb starts a thread asking PyPI for its latest version unless ``outdated`` is missing."""
+    for module in [name for name in sys.modules if name == "ogb" or name.startswith(("ogb.", "outdated"))]:
+        monkeypatch.delitem(sys.modules, module)  # a fresh import, restored after the test
+    ladle.data._ogb_layout("ogbn-arxiv")
+    assert sys.modules["ogb.version"].check_outdated is None
+    assert "outdated" not in sys.modules
 
 
 # --- PyG: <root>/Flickr/raw/{adj_full.npz, feats.npy, class_map.json, role.json} ------------------------------
