@@ -70,7 +70,7 @@ def _pyg(cls_name: str, name: str | None, sub: str | None = None) -> Callable[[P
 
 
 def _ogb(name: str) -> Callable[[Path], Data]:
-    """OGB's own loader on its unzipped download in ``<root>/ogbn_arxiv`` (say); it never downloads nor prompts.
+    """OGB's own loader on its unzipped download (``<root>/ogbn_arxiv``, ...); it never downloads nor prompts.
 
     ogb downloads when a ``raw/`` file is missing, and asks on stdin whether to download again when the
     folder lacks its ``RELEASE_v<version>.txt``. ladle first checks every file ogb will read (a missing one is
