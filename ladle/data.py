@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import torch
 import torch_geometric
 from torch import Tensor
 from torch_geometric.data import Data
+from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
+from torch_geometric.data.storage import GlobalStorage
 from torch_geometric.utils import to_undirected
 
 from ladle.checkpoints import atomic_open, read_json, write_json
@@ -67,12 +70,29 @@ def _pyg(cls_name: str, name: str | None, sub: str | None = None) -> Callable[[P
 
 
 def _ogb(name: str) -> Callable[[Path], Data]:
+    """OGB's own loader on its unzipped download (``<root>/ogbn_arxiv``, ...); it never downloads nor prompts.
+
+    ogb downloads when a ``raw/`` file is missing, and asks on stdin whether to download again when the
+    folder lacks its ``RELEASE_v<version>.txt``. ladle first checks every file ogb will read (a missing one is
+    named in the error) and, in its private copy, gives the prompt's default answer: keep the files.
+    """
     def load(root: Path) -> Data:
-        try:
-            from ogb.nodeproppred import PygNodePropPredDataset
-        except ImportError:
-            raise LadleError(f"dataset '{name}' needs the ogb package: pip install 'ladle[ogb]'") from None
-        dataset = PygNodePropPredDataset(name, str(root))
+        dataset_class, release, needed = _ogb_layout(name)
+        folder = root / name.replace("-", "_")
+        if not folder.is_dir():
+            raise LadleError(f"dataset '{name}' is not in the data root and ladle never downloads it: unzip OGB's "
+                             f"download into <data root>/{folder.name} ({release}, {', '.join(needed)}) "
+                             "or pass --data-root")
+        missing = [path for path in needed if not (folder / path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"missing {', '.join(missing)}")
+        if not (folder / release).exists():
+            log.warning("%s has no %s (not OGB's download as is?): reading its files as they are", name, release)
+            (folder / release).touch()
+        # ogb torch.loads the graph it has just saved with PyG's classes, which torch >= 2.6 refuses by default
+        allow = getattr(torch.serialization, "safe_globals", None)
+        with allow([DataEdgeAttr, DataTensorAttr, GlobalStorage]) if allow else contextlib.nullcontext():
+            dataset = dataset_class(name, str(root))
         data = dataset[0]
         split = dataset.get_idx_split()
         for key, part in (("train", "train"), ("val", "valid"), ("test", "test")):
@@ -85,6 +105,32 @@ def _ogb(name: str) -> Callable[[Path], Data]:
         return data
 
     return load
+
+
+def _ogb_layout(name: str) -> tuple[type, str, list[str]]:
+    """ogb's dataset class, and from ogb's table of datasets the release marker and every file its loader reads.
+
+    ogb is imported without ``outdated``, which would start a thread that asks PyPI for ogb's latest version.
+    """
+    saved = sys.modules.get("outdated")
+    sys.modules["outdated"] = None  # type: ignore[assignment]  # ogb skips its version check when absent
+    try:
+        import ogb.nodeproppred
+        import pandas
+    except ImportError:
+        raise LadleError(f"dataset '{name}' needs the ogb package: pip install 'ladle[ogb]'") from None
+    finally:
+        if saved is None:
+            del sys.modules["outdated"]
+        else:
+            sys.modules["outdated"] = saved
+    table = pandas.read_csv(Path(ogb.nodeproppred.__file__).parent / "master.csv", index_col=0,
+                            keep_default_na=False)[name]
+    extra = [] if table["additional node files"] == "None" else table["additional node files"].split(",")
+    raw = ["edge", "node-feat", "node-label", "num-node-list", "num-edge-list", *extra]
+    needed = [f"raw/{file}.csv.gz" for file in raw]
+    needed += [f"split/{table['split']}/{part}.csv.gz" for part in ("train", "valid", "test")]
+    return ogb.nodeproppred.PygNodePropPredDataset, f"RELEASE_v{table['version']}.txt", needed
 
 
 SOURCES: dict[str, _Source] = {
@@ -121,9 +167,9 @@ SOURCES: dict[str, _Source] = {
     "reddit": _Source("Reddit", _pyg("Reddit", None, "Reddit"), "reddit_data.npz, reddit_graph.npz", "shipped"),
     "flickr": _Source("Flickr", _pyg("Flickr", None, "Flickr"), "adj_full.npz, feats.npy, class_map.json, role.json",
                       "shipped"),
-    "ogbn-arxiv": _Source("ogbn_arxiv", _ogb("ogbn-arxiv"), "the ogbn-arxiv download (raw/, split/)", "shipped"),
+    "ogbn-arxiv": _Source("ogbn_arxiv", _ogb("ogbn-arxiv"), "OGB's arxiv.zip unzipped: raw/, split/time/", "shipped"),
     "ogbn-products": _Source(
-        "ogbn_products", _ogb("ogbn-products"), "the ogbn-products download (raw/, split/)", "shipped"
+        "ogbn_products", _ogb("ogbn-products"), "OGB's products.zip unzipped: raw/, split/sales_ranking/", "shipped"
     ),
 }
 DATASET_NAMES = tuple(SOURCES) + ("synthetic",)
