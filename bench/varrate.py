@@ -25,7 +25,8 @@ epochs), metric reductions and setup.
 
 Run specs (``--runs``) are ``schedule[:rate][/compressor]``: ``full``, ``none``, ``fixed:16``,
 ``linear`` (``--rate-max`` to 1 over ``--rate-fraction`` of the epochs, then 1), ``step``,
-``linear/int8``. The soup's bytes are the final gather of K models (K x model size); it sends nothing while training.
+``linear/int8``. The soup's bytes are the final gather of K models (K x model size); it sends nothing
+while training.
 """
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int,
                         help="the recipe's seed (initialisation, dropout, partition); default its own")
     parser.add_argument("--name", help="name of the output files (default: the dataset's)")
-    parser.add_argument("--out", type=Path, help="output folder (default bench/out/varrate-<dataset>)")
+    parser.add_argument("--out", type=Path, help="output folder (default bench/out/varrate-<name>)")
     parser.add_argument("--data-root", help="dataset root folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
