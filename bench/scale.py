@@ -6,7 +6,7 @@ process tree run exactly as a user runs it:
 
 1. ``python -m ladle.prepare <recipe> -k K --force`` (cold: generate, METIS, write the shards);
 2. ``python -m ladle.train <recipe> -k K --workers 2 --run-dir RUN`` (the shards from the cache);
-3. ``python -m ladle.soup --run-dir RUN --method gis``: every ingredient's and the soup's whole-split
+3. ``python -m ladle.soup --run-dir RUN --method gis --search fast``: every ingredient's and the soup's whole-split
    accuracy and the logit ensemble; candidates scored on the validation sample (``ladle.evaluation``).
 
 The recipe is the embedded default with ``view.kind=metis view.balance=labels epochs=E patience=E``
@@ -130,7 +130,8 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     prepare = stage(f"prepare {nodes}", [python, "-m", "ladle.prepare", *recipe, "-k", k, "--force"])
     train = stage(f"train {nodes}", [python, "-m", "ladle.train", *recipe, "-k", k, "--workers", str(args.workers),
                                      "--run-dir", str(run_dir), "--save-every", "0"])
-    soup = stage(f"soup {nodes}", [python, "-m", "ladle.soup", "--run-dir", str(run_dir), "--method", args.method])
+    soup = stage(f"soup {nodes}", [python, "-m", "ladle.soup", "--run-dir", str(run_dir), "--method", args.method,
+                                   "--search", args.search])
     metas = [json.loads((run_dir / f"ingredient-{i:02d}.json").read_text()) for i in range(args.ingredients)]
     shards = json.loads((run_dir / "shards" / "shards.json").read_text())
     report = json.loads((run_dir / "report.json").read_text())
@@ -139,7 +140,7 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     ingredient_seconds = sum(m["train_seconds"] for m in metas)
     return {
         "nodes": nodes, "edges": shards["graph"]["num_edges"], "dataset": spec, "epochs": args.epochs,
-        "ingredients": args.ingredients, "workers": args.workers, "method": args.method, "recipe": recipe,
+        "ingredients": args.ingredients, "workers": args.workers, "method": args.method, "search": args.search, "recipe": recipe,
         "prepare": prepare | {"prepare_s": shards["seconds"]},
         "train": train | {"ingredient_s": [m["train_seconds"] for m in metas],
                           "ingredient_peak_rss_mb": [m.get("peak_rss_mb") for m in metas],
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--balance", default="labels", choices=("labels", "none"),
                         help="view.balance of the metis view (default labels: every part holds every class)")
     parser.add_argument("--method", default="gis", help="ladle.soup --method (default gis)")
+    parser.add_argument("--search", default="fast", choices=("grid", "fast"), help="ladle.soup --search (default fast)")
     parser.add_argument("--out", type=Path, default=PROJECT / "checkpoints" / "bench-scale")
     parser.add_argument("--json", type=Path, default=RESULTS / "scale.json")
     args = parser.parse_args()

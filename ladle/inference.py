@@ -25,6 +25,7 @@ from ladle.models import GCNLayer, GNN, SAGELayer, use_sparse_features
 from ladle.shards import Shard
 
 DEFAULT_BATCH_ENTRIES = 1 << 24  # entries of A + I per batch of rows
+FIRST_AGGREGATION_BYTES = 2 << 30  # dense features up to this size get their first aggregation cached
 
 
 class LayerwiseInference:
@@ -47,6 +48,7 @@ class LayerwiseInference:
         bounds = torch.cat([starts, torch.tensor([self.num_nodes])]).tolist()
         self.ranges = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
         self._ones = torch.ones(max((int(rowptr[e] - rowptr[s]) for s, e in self.ranges), default=0))
+        self._first: dict[str, Tensor] = {}  # cached first aggregations (see _aggregated)
 
     @classmethod
     def from_data(cls, data: Data, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
@@ -76,7 +78,11 @@ class LayerwiseInference:
         bar = tqdm(total=len(model.convs) * len(self.ranges), desc="layer-wise inference", unit="chunk",
                    leave=False, dynamic_ncols=True, disable=None)  # a chunk: one layer over one batch of rows
         for i, conv in enumerate(model.convs):
-            h = self._layer(conv, h, sparse=i == 0 and use_sparse_features(self.x, model.model))
+            sparse = i == 0 and use_sparse_features(self.x, model.model)
+            if i == 0 and not sparse and self._caches_first(conv):
+                h = self._first_layer(conv)
+            else:
+                h = self._layer(conv, h, sparse)
             bar.update(len(self.ranges))
             if i == len(model.convs) - 1:
                 break
@@ -90,6 +96,38 @@ class LayerwiseInference:
                 h[start:end] = F.relu(norm(h[start:end]))
         bar.close()
         return h
+
+    def _caches_first(self, conv: nn.Module) -> bool:
+        """Whether the first layer reuses the cached aggregation of the features: GCN or SAGE, on dense
+        features small enough (:data:`FIRST_AGGREGATION_BYTES`) to hold a second copy of."""
+        small = self.x.numel() * 4 <= FIRST_AGGREGATION_BYTES
+        return small and isinstance(conv, (GCNLayer, SAGELayer))
+
+    def _aggregated(self, mean: bool) -> Tensor:
+        """The weight-free first aggregation of the features for all nodes, computed on first use and kept:
+        ``Â X`` (GCN, ``mean=False``) or the in-neighbour mean of ``X`` (SAGE). The first layer is linear
+        in its weights (``Â X W = (Â X) W``), so every later model pays one dense product instead of a
+        pass over the edges."""
+        key = "mean" if mean else "gcn"
+        if key not in self._first:
+            x = self.x.float()
+            source = x if mean else x * self.gcn_scale
+            out = torch.empty(self.num_nodes, x.size(1))
+            for start, end in self.ranges:
+                if mean:
+                    torch.mm(self._rows(start, end), source, out=out[start:end])
+                else:  # (A + I) rows: the neighbours, plus the node itself
+                    torch.addmm(source[start:end], self._rows(start, end), source, out=out[start:end])
+            self._first[key] = out.mul_(self.mean_scale if mean else self.gcn_scale)
+        return self._first[key]
+
+    def _first_layer(self, conv: nn.Module) -> Tensor:
+        """The first GCN/SAGE layer from the cached aggregation (:meth:`_aggregated`)."""
+        if isinstance(conv, GCNLayer):
+            out = self._aggregated(mean=False) @ conv.lin.weight.t()
+            return out.add_(conv.bias) if conv.bias is not None else out
+        out = self._aggregated(mean=True) @ conv.lin_l.weight.t()
+        return out.add_(conv.lin_l.bias).add_(self._project(self.x, conv.lin_r.weight, sparse=False))
 
     def _rows(self, start: int, end: int) -> Tensor:
         """Rows ``start:end`` of the adjacency (entries 1), a ``[end - start, N]`` CSR over the stored columns."""

@@ -15,7 +15,6 @@ import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ladle.models import GCNLayer, GNN, SAGELayer
@@ -80,12 +79,23 @@ class TargetInference:
         entries = _row_entries(rowptr, first)
         crow = torch.zeros(first.numel() + 1, dtype=torch.long)
         crow[1:] = (rowptr[first + 1] - rowptr[first]).cumsum(0)
-        neighbours = _csr(crow, col[entries], (first.numel(), num_nodes))
-        roots = x[first].float()
-        # the weight-free first aggregation: Â X (GCN) and mean_{in-neighbours} X (SAGE), on the first level
-        self.gcn_first = gcn_scale[first] * (neighbours @ (gcn_scale * x.float()) + gcn_scale[first] * roots)
-        self.mean_first = mean_scale[first] * (neighbours @ x.float())
-        self.roots = roots
+        self._neighbours = _csr(crow, col[entries], (first.numel(), num_nodes))  # the first level's in-edges
+        self._x, self._gcn_scale_all = x, gcn_scale
+        self.roots = x[first].float()
+        self._aggregated: dict[str, Tensor] = {}
+
+    def aggregated(self, mean: bool) -> Tensor:
+        """The weight-free first aggregation on the first level, computed once: ``Â X`` (GCN) or the
+        in-neighbour mean of ``X`` (SAGE)."""
+        key = "mean" if mean else "gcn"
+        if key not in self._aggregated:
+            if mean:
+                out = self.mean_scale[0] * (self._neighbours @ self._x.float())
+            else:
+                scale = self.gcn_scale[0]
+                out = scale * (self._neighbours @ (self._gcn_scale_all * self._x.float()) + scale * self.roots)
+            self._aggregated[key] = out
+        return self._aggregated[key]
 
     @torch.no_grad()
     def logits(self, model: GNN) -> Tensor:
@@ -98,25 +108,28 @@ class TargetInference:
             else:
                 h = self._upper(conv, h, i)
             if i < len(model.convs) - 1:
-                h = F.relu(model.norms[i](h))
+                h = model.norms[i](h).relu_()  # h is this call's own tensor: in place
         return h
 
     def _first(self, conv: nn.Module) -> Tensor:
         if isinstance(conv, GCNLayer):
-            out = self.gcn_first @ conv.lin.weight.t()
+            out = self.aggregated(mean=False) @ conv.lin.weight.t()
             return out + conv.bias if conv.bias is not None else out
         assert isinstance(conv, SAGELayer)
-        return self.mean_first @ conv.lin_l.weight.t() + conv.lin_l.bias + self.roots @ conv.lin_r.weight.t()
+        return (self.aggregated(mean=True) @ conv.lin_l.weight.t() + conv.lin_l.bias
+                + self.roots @ conv.lin_r.weight.t())
 
     def _upper(self, conv: nn.Module, h: Tensor, layer: int) -> Tensor:
+        """Layer ``layer`` >= 1 at its (fewer) output nodes: aggregate the inputs first, then project."""
         adj, self_pos = self.adj[layer - 1], self.self_pos[layer - 1]
         if isinstance(conv, GCNLayer):
-            projected = (h @ conv.lin.weight.t()) * self.gcn_scale_in[layer - 1]
-            out = (adj @ projected + projected[self_pos]) * self.gcn_scale[layer]
+            scaled = h * self.gcn_scale_in[layer - 1]
+            aggregated = (adj @ scaled + scaled[self_pos]) * self.gcn_scale[layer]
+            out = aggregated @ conv.lin.weight.t()
             return out + conv.bias if conv.bias is not None else out
         assert isinstance(conv, SAGELayer)
-        out = (adj @ (h @ conv.lin_l.weight.t())) * self.mean_scale[layer] + conv.lin_l.bias
-        return out + h[self_pos] @ conv.lin_r.weight.t()
+        mean = (adj @ h) * self.mean_scale[layer]
+        return mean @ conv.lin_l.weight.t() + conv.lin_l.bias + h[self_pos] @ conv.lin_r.weight.t()
 
 
 def _row_entries(rowptr: Tensor, rows: Tensor) -> Tensor:

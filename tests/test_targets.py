@@ -71,3 +71,20 @@ def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_dat
     scored = evaluator.validation(state)
     assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
     assert Evaluator(recipe, cora_data).validation_nodes == (500, 500)  # small graphs: every node, exactly
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_whole_graph_passes_reuse_the_first_aggregation_exactly(model: str) -> None:
+    from ladle.models import graph_inputs
+    from ladle.synthetic import synthetic_graph
+
+    data = synthetic_graph(nodes=3000, degree=8, features=32, classes=5)  # dense features: the cached path
+    data.num_classes = 5
+    recipe = load_recipe(None, [f"model={model}"])
+    inference = LayerwiseInference.from_data(data)
+    for seed in (0, 1):  # the second model reuses what the first cached
+        net = _random_model(recipe, data, seed)
+        with torch.no_grad():
+            expected = net(graph_inputs(data, model))
+        assert (inference.logits(net) - expected).abs().max() <= 1e-5
+    assert list(inference._first) == ["mean" if model == "sage" else "gcn"]
