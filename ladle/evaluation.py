@@ -121,7 +121,7 @@ class Evaluator:
     (:meth:`~ladle.inference.LayerwiseInference.logits`). There, GCN and SAGE candidates are scored on a
     fixed seeded sample of at most :data:`VALIDATION_SAMPLE` validation nodes (all of them when fewer), by
     :class:`~ladle.targets.TargetInference` (exact logits of those nodes, the first aggregation computed
-    once); :attr:`validation_nodes` says how many. Report rows are always scored on whole splits.
+    once); :meth:`validation_nodes` says how many. Report rows are always scored on whole splits.
     The neighbourhoods are built on first use. ``inference``: the graph's layer-wise inference when the
     caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``.
     """
@@ -147,13 +147,15 @@ class Evaluator:
         return TargetInference(self.inference.x, self.inference.rowptr, self.inference.col, targets,
                                self.recipe.layers)
 
-    @property
-    def validation_nodes(self) -> tuple[int, int]:
-        """How many validation nodes candidates are scored on, of how many."""
+    def validation_nodes(self, recompute_bn: bool = True) -> tuple[int, int]:
+        """How many validation nodes :meth:`validation` scores candidates on, of how many."""
         total = int(self.data.val_mask.sum())
-        if self.layerwise and supports(self.model):
+        if self._samples(recompute_bn):
             return min(total, VALIDATION_SAMPLE), total
         return total, total
+
+    def _samples(self, recompute_bn: bool) -> bool:
+        return self.layerwise and supports(self.model) and not self._recomputes(recompute_bn)
 
     @cached_property
     def full_adj(self) -> Tensor | SparseMatrix:
@@ -211,7 +213,7 @@ class Evaluator:
     def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
         """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise: on the
         sampled validation nodes for GCN/SAGE without batch norm to recompute, else on all of them)."""
-        if self.layerwise and supports(self.model) and not self._recomputes(recompute_bn):
+        if self._samples(recompute_bn):
             self.model.load_state_dict(state)
             return metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
         if self.layerwise:

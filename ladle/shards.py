@@ -166,10 +166,12 @@ def _halo_footprint(arrays: dict[str, Tensor], owned: Tensor) -> dict[str, int]:
     return {"halo_nodes": num_halo, "halo_edges": halo_edges, "halo_bytes": size}
 
 
-def load_shard(path: Path) -> Shard:
+def load_shard(path: Path, edge_index: bool = True) -> Shard:
     """Memory-map a shard (copy-on-write: nothing is read until used, nothing is written back).
 
     No pickle is involved; a missing or truncated file is a :class:`LadleError` naming the fix.
+    ``edge_index=False``: the graph's ``edge_index`` is not built (callers that read the CSR alone save
+    16 bytes per edge).
     """
     path = Path(path)
     meta = read_json(path / "meta.json")
@@ -188,8 +190,10 @@ def load_shard(path: Path) -> Shard:
                              f"expected {dtype}{shape}); rebuild it with python -m ladle.prepare --force")
         arrays[name] = torch.from_numpy(array)
     rowptr, col = arrays["rowptr"], arrays["col"]
-    row = torch.repeat_interleave(torch.arange(meta["num_nodes"]), rowptr.diff())
-    data = Data(x=arrays["x"], y=arrays["y"], edge_index=torch.stack([col, row]), n_id=arrays["n_id"],
+    edges = None
+    if edge_index:
+        edges = torch.stack([col, torch.repeat_interleave(torch.arange(meta["num_nodes"]), rowptr.diff())])
+    data = Data(x=arrays["x"], y=arrays["y"], edge_index=edges, n_id=arrays["n_id"],
                 num_nodes=meta["num_nodes"], degree=arrays.get("degree"), **{mask: arrays[mask] for mask in _MASKS})
     data.num_classes = meta["num_classes"]
     data.name = meta["dataset"]

@@ -21,7 +21,7 @@ from ladle.checkpoints import StateDict, load_state, read_json, save_state, writ
 from ladle.config import SOUP_METHODS, SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.data import load_dataset
 from ladle.errors import LadleError, run_cli
-from ladle.evaluation import Evaluator, Metrics, SoupResult
+from ladle.evaluation import LAYERWISE_NODES, Evaluator, Metrics, SoupResult
 from ladle.inference import LayerwiseInference
 from ladle.report import format_table, write_report
 from ladle.basin import barrier, ingredient_distances
@@ -32,6 +32,8 @@ from ladle.soups import ALL, SOUPS, TRUNK_INDEX, SoupInputs
 from ladle.targets import accuracy_stderr
 
 log = logging.getLogger(__name__)
+
+CSR_SOUPS = {"uniform", "greedy", "gis"}  # soups scored by (layer-wise or target-node) inference alone
 
 
 def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid: int | None = None,
@@ -60,7 +62,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     unknown = [name for name in methods if name not in SOUPS]
     if unknown:
         raise LadleError(f"unknown soup method {unknown[0]!r} (one of: {', '.join(SOUPS)}, all)")
-    data, inference = _graph(files, recipe, data_root)
+    data, inference = _graph(files, recipe, data_root, methods)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
@@ -107,7 +109,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
         "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
-        "validation": _validation(evaluator, rows),
+        "validation": _validation(evaluator, rows, recompute),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
@@ -125,9 +127,11 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     return report
 
 
-def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None) -> tuple[Data, LayerwiseInference | None]:
+def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None,
+           methods: list[str]) -> tuple[Data, LayerwiseInference | None]:
     """The run's graph: its whole-graph shard, memory-mapped with its CSR (no second load of the dataset),
-    when the run's shards are still there and match the dataset's files; else the dataset, loaded."""
+    when the run's shards are still there and match the dataset's files; else the dataset, loaded. On a
+    graph scored layer-wise, by soups that need no neighbourhood, no ``edge_index`` is built."""
     try:
         shards = ShardSet.open(files.shards)
         usable = shards.complete() and shards.meta["inputs"] == shard_inputs(
@@ -137,14 +141,15 @@ def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None) -> tuple
     if not usable:
         log.info("the run's shards are gone or stale; loading %s", recipe.dataset)
         return load_dataset(recipe.dataset, data_root, recipe.split, recipe.features), None
-    shard = load_shard(shards.graph())
+    csr_only = shards.meta["graph"]["num_nodes"] >= LAYERWISE_NODES and set(methods) <= CSR_SOUPS
+    shard = load_shard(shards.graph(), edge_index=not csr_only)
     return shard.data, LayerwiseInference.from_shard(shard)
 
 
-def _validation(evaluator: Evaluator, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _validation(evaluator: Evaluator, rows: list[dict[str, Any]], recompute: bool) -> dict[str, Any]:
     """How candidates were scored: on how many validation nodes of how many, and, when sampled, the standard
     error of an accuracy there (at the best ingredient's whole-split accuracy)."""
-    used, total = evaluator.validation_nodes
+    used, total = evaluator.validation_nodes(recompute)
     best = max(row["val_acc"] for row in rows)
     return {"nodes": used, "of": total, "stderr": accuracy_stderr(best, used) if used < total else 0.0}
 

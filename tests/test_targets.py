@@ -65,12 +65,12 @@ def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_dat
     model = _random_model(recipe, cora_data, seed=3)
     state = model.state_dict()
     evaluator = Evaluator(recipe, cora_data, layerwise=True)
-    assert evaluator.validation_nodes == (200, int(cora_data.val_mask.sum()))
+    assert evaluator.validation_nodes() == (200, int(cora_data.val_mask.sum()))
     sample = sample_targets(cora_data.val_mask, 200, recipe.seed)
     expected = metrics(evaluator.full_logits(state)[sample], cora_data.y[sample])
     scored = evaluator.validation(state)
     assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
-    assert Evaluator(recipe, cora_data).validation_nodes == (500, 500)  # small graphs: every node, exactly
+    assert Evaluator(recipe, cora_data).validation_nodes() == (500, 500)  # small graphs: every node, exactly
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage"])
