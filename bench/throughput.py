@@ -3,10 +3,7 @@ and ladle's samplers vs PyG's loaders (``view.backend``).
 
 One invocation measures, on each dataset, K ingredients (full-graph GCN views) with
 1 worker x 1 thread (the baseline), 1 worker x 2 threads and 2 workers x 1 thread, as wall time
-(process start and data loading included) and ratios to the baseline. Each configuration runs in a
-fresh launcher process (spawned: ladle imported, no worker started yet), timed from the call to
-``train_ingredients`` to its return, so each pays its own worker start: a fork server left by one
-configuration does not serve the next (:func:`ladle.launch.worker_context`). Then the time of one
+(process start and data loading included) and ratios to the baseline; then the time of one
 full-batch training epoch (train step + validation forward) of ladle against a plain PyG loop
 (GCNConv on edge_index, cached normalisation) on the same graph, in the same process; then, for each
 sampled view whose PyG loader can run here, both backends in the same process: view setup seconds,
@@ -21,8 +18,6 @@ ingredient, setup and validation included), with the ratio PyG / ladle. Raw resu
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as futures
-import multiprocessing as mp
 import os
 import platform
 import tempfile
@@ -42,9 +37,8 @@ from ladle.config import load_recipe
 from ladle.data import load_dataset
 from ladle.engine import IngredientTask, train_ingredient
 from ladle.errors import LadleError
-from ladle.launch import train_ingredients, worker_context
+from ladle.launch import train_ingredients
 from ladle.pyg_views import with_backend
-from ladle.shards import prepare_shards
 from ladle.views import build_view
 
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
@@ -64,24 +58,6 @@ class PlainGCN(torch.nn.Module):
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x, edge_index))
         return self.conv2(F.dropout(x, 0.5, self.training), edge_index)
-
-
-def workers_seconds(overrides: list[str], ingredients: int, workers: int, threads: int,
-                    data_root: str | None) -> float:
-    """Wall seconds of one ``train_ingredients`` call in this process (no checkpoints of progress)."""
-    recipe = load_recipe(None, overrides)
-    with tempfile.TemporaryDirectory() as scratch:
-        start = time.perf_counter()
-        train_ingredients(recipe, ingredients=ingredients, workers=workers, threads=threads,
-                          run_dir=Path(scratch) / "run", data_root=data_root, save_every=0)
-        return time.perf_counter() - start
-
-
-def cold_workers_seconds(overrides: list[str], ingredients: int, workers: int, threads: int,
-                         data_root: str | None) -> float:
-    """:func:`workers_seconds` in a fresh launcher process: the configuration starts its own workers."""
-    with futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as launcher:
-        return launcher.submit(workers_seconds, overrides, ingredients, workers, threads, data_root).result()
 
 
 def plain_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> float:
@@ -156,7 +132,7 @@ def environment() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "torch_geometric": torch_geometric.__version__,
             "torch_sparse": torch_geometric.typing.WITH_TORCH_SPARSE, "pyg_lib": torch_geometric.typing.WITH_PYG_LIB,
-            "cpu_count": os.cpu_count(), "worker_start": worker_context().get_start_method()}
+            "cpu_count": os.cpu_count()}
 
 
 def main() -> None:
@@ -177,12 +153,14 @@ def main() -> None:
                      "|---|---|---|---|---|"]
     for i, dataset in enumerate(args.datasets):
         epochs = args.epochs[min(i, len(args.epochs) - 1)]
-        overrides = [f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"]
-        if "workers" in args.sections:  # prepared once, outside the timings: each configuration finds them cached
-            prepare_shards(load_recipe(None, overrides), args.ingredients, args.data_root)
+        recipe = load_recipe(None, [f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"])
         base = None
         for label, workers, threads in CONFIGS if "workers" in args.sections else ():
-            wall = cold_workers_seconds(overrides, args.ingredients, workers, threads, args.data_root)
+            with tempfile.TemporaryDirectory() as scratch:
+                start = time.perf_counter()
+                train_ingredients(recipe, ingredients=args.ingredients, workers=workers, threads=threads,
+                                  run_dir=Path(scratch) / "run", data_root=args.data_root, save_every=0)
+                wall = time.perf_counter() - start
             base = base or wall
             results["workers"].append({"dataset": dataset, "ingredients": args.ingredients, "epochs": epochs,
                                        "configuration": label, "wall_s": wall, "vs_1x1": base / wall})

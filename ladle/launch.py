@@ -1,16 +1,10 @@
-"""Where ingredients run: a pool of local worker processes (forked from a fork server, reused across ingredients).
+"""Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
 
 The launcher prepares the run's shards (once, cached: :mod:`ladle.shards`), the run directory and the
 shared initial weights, then hands out ingredient tasks. A worker memory-maps only what its task
 sees: the part shard of a ``metis``/``random`` ingredient, else the whole-graph shard (kept for the
 next task). Workers use ``cores / workers`` threads each and never talk to one another: no process
 group, no messages; each writes its own checkpoint and returns its metadata.
-
-Workers start fast (:func:`worker_context`): where the platform has a fork server, it is started as
-the launcher begins preparing and imports torch, PyG and ladle once; each worker is then a fork of it
-(no import of its own, and no interpreter teardown at exit), with the launcher's working directory and
-environment of the moment. The server outlives the run, so a later run in the same process starts its
-workers at once. Elsewhere workers are spawned.
 """
 from __future__ import annotations
 
@@ -96,32 +90,9 @@ class _Worker:
 _worker: _Worker | None = None  # one per worker process, set by the pool initialiser
 
 
-def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str,
-                 environment: dict[str, str] | None = None) -> None:
+def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
     global _worker
-    if environment is not None:  # a fork server's child has the server's environment: take the launcher's
-        os.environ.clear()
-        os.environ.update(environment)
     _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
-
-
-def worker_context() -> mp.context.BaseContext:
-    """How local workers start: forked from a fork server that preloads this module (so torch and PyG
-    are imported once per launcher process, not once per worker, and a worker exits without tearing the
-    interpreter down), or spawned where the platform has no fork server. Both give the same weights."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload([__name__])  # no effect once the server runs
-    return context
-
-
-def start_workers() -> None:
-    """Start the fork server now (if the platform has one and it is not running yet), so that it imports
-    while the launcher prepares; the first worker of the run then forks from it without waiting."""
-    if worker_context().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-        forkserver.ensure_running()
 
 
 def _run_task(task: IngredientTask) -> dict[str, Any]:
@@ -162,8 +133,6 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     _check_creatable(run_path)  # before the (maybe long) preparation
     check_free(run_path)
     check_same_run(run_path, definition)
-    if backend == "local":
-        start_workers()  # they import while the shards and the run directory are prepared
     shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
     try:
         run_path.mkdir(parents=True, exist_ok=True)
@@ -226,8 +195,6 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
         data_root = None if data_root is None else str(data_root)
-        if todo and backend == "local":
-            start_workers()
         if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
             prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
         return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
@@ -300,26 +267,20 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
                                        "train_seconds", "peak_rss_mb")}
 
 
-def worker_pool(recipe: Recipe, shards: Path, workers: int, device: str, threads: int) -> futures.ProcessPoolExecutor:
-    """``workers`` local worker processes (:func:`worker_context`) reading the run's ``shards``, ``threads``
-    torch threads each, with this process's working directory and environment as they are now."""
-    context = worker_context()
+def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,
+              device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each, reading the run's
+    ``shards``; return (metadata by name, error by name of those that failed). A failing ingredient
+    does not stop the others."""
+    threads = threads or max(1, available_cores() // workers)
+    context = mp.get_context("spawn")
     slots = context.Queue()
     for slot in range(workers):
         slots.put(slot)
-    return futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                       initargs=(recipe.to_dict(), str(shards), threads, slots, device,
-                                                 dict(os.environ)))
-
-
-def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,
-              device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Run tasks on a :func:`worker_pool` of ``workers`` processes, ``cores / workers`` threads each;
-    return (metadata by name, error by name of those that failed). A failing ingredient does not stop
-    the others."""
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
-    with worker_pool(recipe, shards, workers, device, threads or max(1, available_cores() // workers)) as pool:
+    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(recipe.to_dict(), str(shards), threads, slots, device)) as pool:
         pending = {pool.submit(_run_task, task): task for task in tasks}
         for future in futures.as_completed(pending):
             task = pending[future]
@@ -329,3 +290,4 @@ def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers
                 log.error("%s failed: %s", task.name, error)
                 failed[task.name] = f"{type(error).__name__}: {error}"
     return results, failed
+
