@@ -1,8 +1,8 @@
-"""Scale benchmark: synthetic graphs of ogbn-products' shape through the shipped commands, end to end.
+"""Scale benchmark: synthetic graphs up to ogbn-products' node count through the shipped commands, end to end.
 
-For each size N (``synthetic:nodes=N,degree=26,features=100,classes=47``: about 26 N directed edges,
-ogbn-products' degree, feature width and class count; 2.45M nodes is its size), three stages, each a
-process tree run exactly as a user runs it:
+For each size N (``synthetic:nodes=N,degree=26,features=100,classes=47``: about 26 N directed edges, and
+ogbn-products' feature width and class count; at 2.45M nodes, its node count and ~64M directed edges), three
+stages, each a process tree run exactly as a user runs it:
 
 1. ``python -m ladle.prepare <recipe> -k K --force`` (cold: generate, METIS, write the shards);
 2. ``python -m ladle.train <recipe> -k K --workers 2 --run-dir RUN`` (the shards from the cache);
@@ -10,8 +10,8 @@ process tree run exactly as a user runs it:
    accuracy and the logit ensemble; candidates scored on the validation sample (``ladle.evaluation``).
 
 The recipe is the embedded default with ``view.kind=metis view.balance=labels epochs=E patience=E``
-(label-balanced METIS: on this graph, whose classes cluster, plain METIS parts hold a few classes each). A monitor polls
-``/proc`` every 0.2 s for every process of a stage: the largest process's peak (VmHWM: its own address
+(label-balanced METIS: on this graph, whose classes cluster, plain METIS parts hold a few classes each).
+A monitor polls ``/proc`` every 0.2 s for every process of a stage: the largest process's peak (VmHWM: its own address
 space) and the largest sum of the stage's resident sets at one time (a conservative bound: shared pages
 of the memory-mapped shards count once per process).
 
