@@ -43,7 +43,7 @@ class TargetInference:
     """``model(graph)[targets]`` for a fixed ``targets`` (sorted global ids), for any GCN or SAGE weights.
 
     ``rowptr``/``col``: the whole graph's in-edge CSR (row ``v`` lists the sources of ``u -> v``), as
-    :mod:`ladle.shards` stores it; ``x``: its features (read once, here). ``layers``: the model's depth.
+    :mod:`ladle.shards` stores it; ``x``: its features (read once, at the first call). ``layers``: the model's depth.
     """
 
     def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, targets: Tensor, layers: int) -> None:
@@ -73,7 +73,6 @@ class TargetInference:
             self.self_pos.append(local[outer])
             local[inner] = -1
         self.gcn_scale = [gcn_scale[level] for level in levels]
-        self.gcn_scale_in = [gcn_scale[level] for level in levels[:-1]]
         self.mean_scale = [mean_scale[level] for level in levels]
         first = levels[0]
         entries = _row_entries(rowptr, first)
@@ -123,7 +122,7 @@ class TargetInference:
         """Layer ``layer`` >= 1 at its (fewer) output nodes: aggregate the inputs first, then project."""
         adj, self_pos = self.adj[layer - 1], self.self_pos[layer - 1]
         if isinstance(conv, GCNLayer):
-            scaled = h * self.gcn_scale_in[layer - 1]
+            scaled = h * self.gcn_scale[layer - 1]
             aggregated = (adj @ scaled + scaled[self_pos]) * self.gcn_scale[layer]
             out = aggregated @ conv.lin.weight.t()
             return out + conv.bias if conv.bias is not None else out
