@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_args(args)
     if args.timeout <= 0 or args.threads < 0:
         raise LadleError("--timeout must be > 0 and --threads >= 0")
-    if args.eval_every < 1:
-        raise LadleError(f"--eval-every must be >= 1 epoch, got {args.eval_every}")
     schedule = RateSchedule(args.schedule, args.rate_max, args.rate_min, args.rate_fraction,
                             _parse_steps(args.rate_steps))
     build_compressor(args.compress)

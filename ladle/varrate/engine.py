@@ -140,6 +140,10 @@ class VarrateOptions:
     eval_every: int = EVAL_EVERY
     log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.metrics.LOGGERS)
 
+    def __post_init__(self) -> None:
+        if self.eval_every < 1:
+            raise LadleError(f"--eval-every must be >= 1 epoch, got {self.eval_every}")
+
 
 def _metrics(model: GNN, part: RankData, exchange: HaloExchange) -> list[float]:
     """This rank's correct train, val and test predictions and val loss sum (exact exchange, no dropout)."""
@@ -165,8 +169,6 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     the run's curve (:mod:`ladle.metrics`, role ``varrate``): the all-reduced training loss every epoch,
     validation at each evaluation.
     """
-    if options.eval_every < 1:
-        raise LadleError(f"--eval-every must be >= 1 epoch, got {options.eval_every}")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = part.y.device
     compressor = build_compressor(options.compressor)
