@@ -144,8 +144,7 @@ class Evaluator:
     def val_targets(self) -> TargetInference:
         """Exact logits of the (sampled) validation nodes for any GCN/SAGE weights (layer-wise mode)."""
         targets = sample_targets(self.data.val_mask, VALIDATION_SAMPLE, self.recipe.seed)
-        return TargetInference(self.inference.x, self.inference.rowptr, self.inference.col, targets,
-                               self.recipe.layers)
+        return TargetInference(self.inference, targets, self.recipe.layers)
 
     def validation_nodes(self, recompute_bn: bool = True) -> tuple[int, int]:
         """How many validation nodes :meth:`validation` scores candidates on, of how many."""

@@ -27,7 +27,7 @@ from torch_geometric.loader import (ClusterData, ClusterLoader, GraphSAINTEdgeSa
 
 from ladle.errors import LadleError
 from ladle.partition import stream_generator
-from ladle.views import ClusterView, IngredientView, NeighborView, SaintView, ViewConfig
+from ladle.views import ClusterView, IngredientView, NeighborView, SaintView, ViewConfig, batch_graph
 
 
 # Random streams of this backend (distinct from ladle's own samplers' streams).
@@ -123,8 +123,7 @@ class PyGView:
         return self._batch(batch.n_id, batch.edge_index, self.data.train_mask[batch.n_id])
 
     def _batch(self, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Any) -> Data:
-        return Data(x=self.data.x[nodes], y=self.data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(),
-                    n_id=nodes, loss_mask=loss_mask, **extra)
+        return batch_graph(self.data, nodes, edge_index, loss_mask, **extra)
 
 
 class _GivenPartitionClusterData(ClusterData):

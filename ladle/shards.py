@@ -338,8 +338,7 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
         graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
                             {**common, "k": None, "num_ingredients": ingredients})
         bar.update(1)
-        for name in ("x", "y", *_MASKS):
-            data[name] = torch.from_numpy(np.load(folder / "graph" / f"{name}.npy", mmap_mode="c"))
+        data = load_shard(folder / "graph", edge_index=False).data  # per-node arrays memory-mapped from now on
         view = build_view(data, recipe.view, 0, ingredients, recipe.seed, adj=adj)  # bad K etc. fail here
         partition: Tensor | None = getattr(view, "parts", None)
         del view

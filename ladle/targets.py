@@ -17,6 +17,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from ladle.inference import LayerwiseInference
 from ladle.models import GCNLayer, GNN, SAGELayer
 
 
@@ -42,16 +43,14 @@ def accuracy_stderr(acc: float, nodes: int) -> float:
 class TargetInference:
     """``model(graph)[targets]`` for a fixed ``targets`` (sorted global ids), for any GCN or SAGE weights.
 
-    ``rowptr``/``col``: the whole graph's in-edge CSR (row ``v`` lists the sources of ``u -> v``), as
-    :mod:`ladle.shards` stores it; ``x``: its features (read once, at the first call). ``layers``: the model's depth.
+    ``graph``: the whole graph's layer-wise inference, for its in-edge CSR, features (read once, at the first
+    call) and normalisation. ``layers``: the model's depth.
     """
 
-    def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, targets: Tensor, layers: int) -> None:
+    def __init__(self, graph: LayerwiseInference, targets: Tensor, layers: int) -> None:
         self.targets = targets
-        num_nodes = rowptr.numel() - 1
-        in_degree = rowptr.diff().float().unsqueeze(1)
-        gcn_scale = (in_degree + 1).pow(-0.5)
-        mean_scale = 1.0 / in_degree.clamp(min=1)
+        rowptr, col, num_nodes = graph.rowptr, graph.col, graph.num_nodes
+        gcn_scale, mean_scale = graph.gcn_scale, graph.mean_scale
         levels = [targets]  # levels[i]: the nodes where layer L - i is needed, each a superset of the last
         for _ in range(layers - 1):
             rows = levels[-1]
@@ -79,8 +78,8 @@ class TargetInference:
         crow = torch.zeros(first.numel() + 1, dtype=torch.long)
         crow[1:] = (rowptr[first + 1] - rowptr[first]).cumsum(0)
         self._neighbours = _csr(crow, col[entries], (first.numel(), num_nodes))  # the first level's in-edges
-        self._x, self._gcn_scale_all = x, gcn_scale
-        self.roots = x[first].float()
+        self._x, self._gcn_scale_all = graph.x, gcn_scale
+        self.roots = graph.x[first].float()
         self._aggregated: dict[str, Tensor] = {}
 
     def aggregated(self, mean: bool) -> Tensor:

@@ -103,7 +103,7 @@ def _chunks(num_items: int, chunk: int, steps: int, generator: torch.Generator) 
     return [group.unique() for group in order.split(chunk)]
 
 
-def _graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Tensor | None) -> Data:
+def batch_graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Tensor | None) -> Data:
     """A batch over ``nodes`` (global ids) with local ``edge_index``; ``None`` extras are left out."""
     return Data(x=data.x[nodes], y=data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(),
                 n_id=nodes, loss_mask=loss_mask, **extra)
@@ -112,7 +112,7 @@ def _graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **e
 def _part_graph(data: Data, part: Part) -> Data:
     """The eval graph of a partition's ``part``: its split masks and ``loss_mask`` cover owned nodes only."""
     nodes = part.nodes
-    graph = _graph(data, nodes, part.edge_index, data.train_mask[nodes] & part.owned, degree=part.degree)
+    graph = batch_graph(data, nodes, part.edge_index, data.train_mask[nodes] & part.owned, degree=part.degree)
     for key in ("train_mask", "val_mask", "test_mask"):
         graph[key] = data[key][nodes] & part.owned
     return graph
@@ -259,7 +259,7 @@ class ClusterView(IngredientView):
         for group in groups:
             nodes = torch.cat([self.members[i] for i in group.tolist()]).sort().values
             edge_index, _ = self.adj.induced(nodes)
-            yield _graph(self.data, nodes, edge_index, self.data.train_mask[nodes])
+            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes])
 
 
 class SaintView(IngredientView):
@@ -356,7 +356,7 @@ class SaintView(IngredientView):
         for _ in range(self._steps):
             nodes = self._sample_nodes(generator)
             edge_index, positions = self.adj.induced(nodes)
-            yield _graph(self.data, nodes, edge_index, self.data.train_mask[nodes],
+            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes],
                          loss_weight=self.loss_weight[nodes], edge_weight=self.edge_weight[positions])
 
 
@@ -409,7 +409,7 @@ class NeighborView(IngredientView):
         n_id = torch.cat(nodes)
         local[n_id] = -1
         loss_mask = torch.arange(n_id.numel()) < seeds.numel()
-        batch = _graph(self.data, n_id, torch.cat(edges, dim=1), loss_mask)
+        batch = batch_graph(self.data, n_id, torch.cat(edges, dim=1), loss_mask)
         batch.num_sampled_nodes = [part.numel() for part in nodes]
         batch.num_sampled_edges = [part.size(1) for part in edges]
         return batch

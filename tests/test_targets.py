@@ -32,7 +32,7 @@ def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[s
     model = _random_model(recipe, cora_data, seed=len(overrides))
     whole = LayerwiseInference.from_data(cora_data)
     targets = sample_targets(cora_data.test_mask, 300, seed=1)
-    inference = TargetInference(whole.x, whole.rowptr, whole.col, targets, recipe.layers)
+    inference = TargetInference(whole, targets, recipe.layers)
     expected = whole.logits(model)[targets]
     got = inference.logits(model)
     assert expected.abs().max() > 0.1
