@@ -26,15 +26,14 @@ from typing import Any
 
 import torch
 
-from ladle.averaging import train_with_averaging
-from ladle.config import Recipe, load_recipe
-from ladle.data import load_dataset
-from ladle.evaluation import Evaluator
-from ladle.launch import train_ingredients
-from ladle.learned import learned_soup
-from ladle.rundir import load_ingredients
-from ladle.soup import soup_run
-from ladle.views import ViewConfig
+from ladle.core.recipe import Recipe, ViewConfig, load_recipe
+from ladle.graph.datasets import load_dataset
+from ladle.nn.saved import load_ingredients
+from ladle.soup.evaluator import Evaluator
+from ladle.soup.learned import learned_soup
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
+from ladle.train.periodic import train_with_averaging
 
 RECIPES = {"cora": "cora-gcn", "citeseer": "citeseer-gcn", "physics": "physics-gcn"}
 

@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import PlainGCN
-from ladle.checkpoints import write_json
-from ladle.config import load_recipe
-from ladle.data import load_dataset
-from ladle.launch import train_ingredients
-from ladle.models import build_model, graph_inputs
-from ladle.soup import soup_run
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import write_json
+from ladle.graph.datasets import load_dataset
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import build_model
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

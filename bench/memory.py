@@ -42,11 +42,12 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     """One measurement, run in its own process; returns its peak and what it trained."""
     import torch
 
-    from ladle.config import load_recipe
-    from ladle.data import load_dataset
-    from ladle.engine import IngredientTask, train_ingredient, trunk_task
-    from ladle.launch import _Worker
-    from ladle.shards import prepare_shards
+    from ladle.core.recipe import load_recipe
+    from ladle.graph.datasets import load_dataset
+    from ladle.graph.shards import prepare_shards
+    from ladle.train.launch import _Worker
+    from ladle.train.loop import train_ingredient
+    from ladle.train.task import IngredientTask, trunk_task
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides)
@@ -102,9 +103,9 @@ def main() -> None:
                                args.data_root)))
         return
 
-    from ladle.checkpoints import save_state
-    from ladle.config import load_recipe
-    from ladle.shards import prepare_shards
+    from ladle.core.recipe import load_recipe
+    from ladle.core.storage import save_state
+    from ladle.graph.shards import prepare_shards
 
     with tempfile.TemporaryDirectory(prefix="ladle-memory-") as scratch:
         run_dir = Path(scratch)

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ladle.config import load_recipe
-from ladle.launch import train_ingredients
-from ladle.soup import soup_run
+from ladle.core.recipe import load_recipe
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
 
 # label -> (recipe, overrides, init)
 EXPERIMENTS: dict[str, list[tuple[str, str, list[str], str]]] = {

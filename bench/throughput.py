@@ -32,14 +32,15 @@ import torch_geometric.typing
 from torch_geometric.data import Data
 from torch_geometric.nn import GCNConv
 
-from ladle.checkpoints import write_json
-from ladle.config import load_recipe
-from ladle.data import load_dataset
-from ladle.engine import IngredientTask, train_ingredient
-from ladle.errors import LadleError
-from ladle.launch import train_ingredients
-from ladle.pyg_views import with_backend
-from ladle.views import build_view
+from ladle.core.errors import LadleError
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import write_json
+from ladle.graph.datasets import load_dataset
+from ladle.graph.pyg_views import with_backend
+from ladle.graph.views import build_view
+from ladle.train.launch import train_ingredients
+from ladle.train.loop import train_ingredient
+from ladle.train.task import IngredientTask
 
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
 SECTIONS = ("workers", "epoch", "backends")

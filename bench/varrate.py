@@ -43,16 +43,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ladle.checkpoints import write_json
-from ladle.config import Recipe, load_recipe, recipe_from_dict, resolve_recipe_path
-from ladle.errors import LadleError
-from ladle.launch import train_ingredients
-from ladle.report import report_entry, write_bytes_report
-from ladle.resources import available_cores
-from ladle.soup import soup_run
-from ladle.varrate import (COMPRESSORS, EVAL_EVERY, RateSchedule, VarrateOptions, free_port, init_group,
-                           load_rank_data, train_partition)
-from ladle.views import ViewConfig
+from ladle.core.errors import LadleError
+from ladle.core.recipe import (
+    Recipe,
+    ViewConfig,
+    load_recipe,
+    recipe_from_dict,
+    resolve_recipe_path,
+)
+from ladle.core.resources import available_cores
+from ladle.core.storage import write_json
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
+from ladle.varrate import (
+    COMPRESSORS,
+    EVAL_EVERY,
+    RateSchedule,
+    VarrateOptions,
+    free_port,
+    init_group,
+    load_rank_data,
+    train_partition,
+)
+from ladle.varrate.report import report_entry, write_bytes_report
 
 log = logging.getLogger("bench.varrate")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -15,9 +15,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 _API = {
-    "Recipe": "ladle.config", "load_recipe": "ladle.config",
-    "RunResult": "ladle.launch", "train_ingredients": "ladle.launch",
-    "soup_run": "ladle.soup",
+    "Recipe": "ladle.core.recipe", "load_recipe": "ladle.core.recipe",
+    "RunResult": "ladle.train.launch", "train_ingredients": "ladle.train.launch",
+    "soup_run": "ladle.soup.pipeline",
 }
 __all__ = sorted(_API) + ["__version__"]
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from ladle import prepare as _prepare
-from ladle import soup as _soup
-from ladle import train as _train
-from ladle import varrate as _varrate
-from ladle.errors import run_cli
+from ladle.core.errors import run_cli
+from ladle.soup import cli as _soup
+from ladle.train import cli as _train
+from ladle.varrate import cli as _varrate
 
 
 def train() -> int:

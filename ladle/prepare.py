@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladle.checkpoints import read_json
-from ladle.config import add_recipe_arguments, recipe_from_args
-from ladle.data import cache_dir, discard
-from ladle.errors import LadleError, run_cli
-from ladle.shards import prepare_shards, summary_table
+from ladle.core.errors import LadleError, run_cli
+from ladle.core.recipe import add_recipe_arguments, recipe_from_args
+from ladle.core.storage import read_json
+from ladle.graph.datasets import cache_dir, discard
+from ladle.graph.shards import prepare_shards, summary_table
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

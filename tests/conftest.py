@@ -58,7 +58,7 @@ def cora(data_root: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def cora_data(data_root: Path):
     """Cora as ladle loads it: public split, row-normalised features, ``num_classes`` set."""
-    from ladle.data import load_dataset
+    from ladle.graph.datasets import load_dataset
 
     return load_dataset("cora", data_root)
 

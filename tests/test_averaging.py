@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.averaging import average_models, train_with_averaging
-from ladle.checkpoints import load_state, save_state
-from ladle.config import load_recipe
-from ladle.engine import IngredientTask, train_ingredient
-from ladle.errors import LadleError
-from ladle.models import build_model
-
+from ladle.core.errors import LadleError
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state, save_state
+from ladle.nn.models import build_model
+from ladle.train.loop import train_ingredient
+from ladle.train.periodic import average_models, train_with_averaging
+from ladle.train.task import IngredientTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

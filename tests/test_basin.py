@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from ladle.basin import barrier, distance, ingredient_distances
-from ladle.config import load_recipe
-from ladle.models import build_model, graph_inputs
-from ladle.evaluation import evaluate
+from ladle.core.recipe import load_recipe
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import build_model
+from ladle.nn.scoring import evaluate
+from ladle.soup.basin import barrier, distance, ingredient_distances
 
 ALPHAS = [i / 10 for i in range(11)]
 

@@ -10,9 +10,10 @@ import torch
 from torch_geometric.data import Data
 
 from ladle import load_recipe, train_ingredients
-from ladle.checkpoints import StateDict, load_state, save_state
-from ladle.models import build_model, graph_inputs
-from ladle.soup import main as soup_main
+from ladle.core.storage import StateDict, load_state, save_state
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import build_model
+from ladle.soup.cli import main as soup_main
 
 OVERRIDES = ["norm=batch", "epochs=30"]
 

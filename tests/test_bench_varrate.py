@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bench.varrate import GRAPHS, parse_run, resolve_graph
-from ladle.synthetic import parse_synthetic
+from ladle.graph.synthetic import parse_synthetic
 
 
 def test_named_graph_brings_its_spec_and_partition() -> None:

@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from ladle.config import BranchConfig, Recipe, TrunkConfig, load_recipe, recipe_dirs
-from ladle.errors import LadleError
+from ladle.core.errors import LadleError
+from ladle.core.recipe import (
+    BranchConfig,
+    Recipe,
+    TrunkConfig,
+    load_recipe,
+    recipe_dirs,
+)
 
 
 def test_default_recipe_file_is_the_embedded_default_with_a_trunk() -> None:
@@ -56,7 +62,6 @@ def test_overrides_reach_nested_keys_and_convert_types() -> None:
     ("model=mlp", "model"),
     ("view.kind=nope", "view.kind"),
     ("view.parts=0", "view.parts"),
-    ("soup.method=best", "soup.method"),
     ("noequals", "key=value"),
 ])
 def test_bad_overrides_name_the_key(override: str, needle: str) -> None:
@@ -71,3 +76,11 @@ def test_malformed_yaml_and_missing_recipe(tmp_path: Path) -> None:
         load_recipe(str(broken))
     with pytest.raises(LadleError, match="not found"):
         load_recipe("no-such-recipe")
+
+
+def test_unknown_soup_method_is_refused_before_training(tmp_path: Path) -> None:
+    """soup.method is checked against the soup registry when training starts, before anything is written."""
+    from ladle.train.launch import train_ingredients
+    with pytest.raises(LadleError, match="unknown soup method 'best' \\(one of: uniform, greedy, gis, learned"):
+        train_ingredients(load_recipe(None, ["soup.method=best"]), ingredients=1, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -7,12 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import EntryPoint, distributions
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from conftest import PROJECT
 
 SCRIPTS = {

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.data import load_dataset, resolve_data_root
-from ladle.splits import per_class_split
-from ladle.synthetic import synthetic_graph
-from ladle.errors import LadleError
+from ladle.core.errors import LadleError
+from ladle.graph.datasets import load_dataset, resolve_data_root
+from ladle.graph.splits import per_class_split
+from ladle.graph.synthetic import synthetic_graph
 
 
 def test_cora_public_split_and_normalised_features(cora_data) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.checkpoints import atomic_open, save_state, write_json
-from ladle.config import load_recipe
-from ladle.launch import train_ingredients
-from ladle.soup import soup_run
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import atomic_open, save_state, write_json
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
 
 
 @pytest.fixture

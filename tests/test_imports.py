@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle (imports inside functions included), no module over 450 lines,
-and the run directory's file names spelled in ``ladle/rundir.py`` alone."""
+"""The package's shape: stage packages imported in one order only (imports inside functions included), no
+import cycle, no module over 450 lines, the run directory's file names spelled in ``ladle/core/rundir.py``
+alone, and each soup method's name written only where it registers."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ladle"
 MAX_LINES = 450
-RUN_DIR_OWNER = "ladle.rundir"
+RUN_DIR_OWNER = "ladle.core.rundir"
 RUN_DIR_NAMES = ("run.json", "init.safetensors", "trunk.safetensors", "partition.safetensors", "ingredient-",
                  ".progress.safetensors", "averaged.safetensors", "baseline.safetensors", "soup-", "report.json",
                  "report.md", "accuracy.png", "alpha.png", "accuracy-bytes.png", "varrate.json", "model.safetensors",
@@ -87,8 +88,43 @@ def test_cycle_finder_finds_a_cycle_and_accepts_a_tree() -> None:
 
 def test_package_has_no_import_cycle() -> None:
     graph = import_graph()
-    assert "ladle.engine" in graph["ladle.launch"] and "ladle.varrate.engine" in graph["ladle.varrate.ranks"]
+    assert "ladle.train.loop" in graph["ladle.train.launch"] and "ladle.varrate.trainer" in graph["ladle.varrate.ranks"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+# Stage packages, lowest first: a module may import its own package and the packages before it, never one
+# after it. Soup comes before train because training checks a recipe's soup method against the registry.
+STAGES = ("core", "graph", "nn", "soup", "train", "varrate")
+
+
+def stage(module: str) -> int | None:
+    """The rank of ``module``'s stage package (None for the top-level modules: the package, the commands)."""
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_stage_order_checker_refuses_an_upward_import() -> None:
+    assert upward_imports({"ladle.core.recipe": {"ladle.graph.views"}}) == ["ladle.core.recipe -> ladle.graph.views"]
+    assert upward_imports({"ladle.graph.views": {"ladle.core.recipe"}, "ladle.cli": {"ladle.train.cli"}}) == []
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a stage package into a later stage package, or out of the stage packages."""
+    found = []
+    for module, targets in graph.items():
+        rank = stage(module)
+        if rank is None:
+            continue
+        found += [f"{module} -> {target}" for target in sorted(targets)
+                  if stage(target) is None or stage(target) > rank
+                  or (stage(target) == rank and target.split(".")[1] != module.split(".")[1])]
+    return found
+
+
+def test_stage_packages_import_only_earlier_stages() -> None:
+    graph = import_graph()
+    assert {stage(module) for module in graph} >= set(range(len(STAGES))), "a stage package is missing"
+    assert upward_imports(graph) == []
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
@@ -119,3 +155,17 @@ def test_run_directory_file_names_live_in_rundir() -> None:
         else:
             offences += found
     assert not offences, "run-directory file names outside ladle/rundir.py: " + "; ".join(offences)
+
+
+def test_each_soup_method_name_is_written_only_where_it_registers() -> None:
+    from ladle.soup import pipeline  # noqa: F401  (imports every module that registers a method)
+    from ladle.soup.methods import SOUPS
+    assert {"uniform", "greedy", "gis", "learned", "learned-partition"} <= set(SOUPS)
+    offences = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        registering = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                       and getattr(node.func, "id", None) == "register"}
+        offences += [f"{path.name}:{line} {text!r}" for line, text in _string_literals(tree)
+                     if text in SOUPS and line not in registering]
+    assert not offences, "soup method names spelled outside their register(...) call: " + "; ".join(offences)

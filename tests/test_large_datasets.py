@@ -1,7 +1,7 @@
 """Reddit, Flickr, ogbn-arxiv and ogbn-products load through ladle's one code path when their files are present.
 
 Each test writes a tiny fake in the dataset's exact on-disk layout (the files PyG's or OGB's loader reads),
-loads it with :func:`ladle.data.load_dataset` from a root in ``tmp_path``, checks every array against what
+loads it with :func:`ladle.graph.datasets.load_dataset` from a root in ``tmp_path``, checks every array against what
 was written, and loads it a second time from ladle's cache with the reader made unusable. Nothing downloads:
 the network is cut, and stdin prompts fail the test.
 """
@@ -18,9 +18,9 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-import ladle.data
-from ladle.data import load_dataset
-from ladle.errors import LadleError
+import ladle.graph.datasets
+from ladle.core.errors import LadleError
+from ladle.graph.datasets import load_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable:UserWarning")  # ogb's
 needs_ogb = pytest.mark.skipif(importlib.util.find_spec("ogb") is None, reason="the ogb extra is not installed")
@@ -81,7 +81,7 @@ def _check(data, x: np.ndarray, y: np.ndarray, edges: set[tuple[int, int]], spli
 
 
 def _load_twice(name: str, root: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> tuple:
-    """Load ``name`` from its files, then again with ``ladle.data.<reader>`` broken: only the cache can answer."""
+    """Load ``name`` from its files, then again with ``ladle.graph.datasets.<reader>`` broken: only the cache can answer."""
     first = load_dataset(name, data_root=root)
     assert len(list((cache / "datasets").glob(f"{name}-*"))) == 1
     monkeypatch.setattr(ladle.data, reader, _refuse)
@@ -158,7 +158,7 @@ def test_ogb_is_imported_without_its_pypi_version_check(monkeypatch: pytest.Monk
     """Importing ogb starts a thread asking PyPI for its latest version unless ``outdated`` is missing."""
     for module in [name for name in sys.modules if name == "ogb" or name.startswith(("ogb.", "outdated"))]:
         monkeypatch.delitem(sys.modules, module)  # a fresh import, restored after the test
-    ladle.data._ogb_layout("ogbn-arxiv")
+    ladle.graph.datasets._ogb_layout("ogbn-arxiv")
     assert sys.modules["ogb.version"].check_outdated is None
     assert "outdated" not in sys.modules
 

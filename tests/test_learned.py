@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.checkpoints import StateDict
-from ladle.config import Recipe, load_recipe
-from ladle.errors import LadleError
-from ladle.evaluation import Evaluator
-from ladle.launch import train_ingredients
-from ladle.learned import Mixture, layer_of, learned_soup, split_validation
-from ladle.rundir import load_ingredients
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, load_recipe
+from ladle.core.storage import StateDict
+from ladle.nn.saved import load_ingredients
+from ladle.soup.evaluator import Evaluator
+from ladle.soup.learned import Mixture, layer_of, learned_soup, split_validation
+from ladle.train.launch import train_ingredients
 
 MODES = [False, True]  # learned, learned-partition
 

@@ -11,14 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT, run_module
-from ladle import engine
-from ladle.config import load_recipe
-from ladle.engine import IngredientTask, train_ingredient
-from ladle.errors import LadleError
-from ladle.metrics import COLUMNS, check_loggers, merge_metrics
-from ladle.soup import planned_scorings, soup_run
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import load_recipe
+from ladle.soup.methods import chosen_methods
+from ladle.soup.pipeline import planned_scorings, soup_run
+from ladle.train import loop as engine
+from ladle.train.curves import COLUMNS, check_loggers, merge_metrics
+from ladle.train.loop import train_ingredient
+from ladle.train.task import IngredientTask
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 NO_TENSORBOARD = "tensorboard is not installed (pip install 'ladle[tensorboard]')"
@@ -169,8 +171,8 @@ def test_soup_scoring_bar_counts_every_scoring(cli_run, data_root: Path) -> None
     report = soup_run(run_dir, method="all", data_root=data_root, write=False)
     scored = len(report["ingredients"]) + sum(soup["evaluations"] for soup in report["soups"]
                                               if soup["method"] in ("greedy", "gis"))
-    assert planned_scorings(["uniform", "greedy", "gis"], 2, 21, fast=False) == scored == 2 + 2 + 21
-    assert planned_scorings(["gis"], 3, 21, fast=True) == 3 + 2 * (5 + 2 * 3)  # steps 1/8, 1/16, 1/32 < 1/20
+    assert planned_scorings(chosen_methods("all"), 2, 21, fast=False) == scored == 2 + 2 + 21
+    assert planned_scorings(chosen_methods("gis"), 3, 21, fast=True) == 3 + 2 * (5 + 2 * 3)  # steps 1/8, 1/16, 1/32 < 1/20
 
 
 def test_unknown_or_missing_logger_is_one_line_exit_2(monkeypatch) -> None:

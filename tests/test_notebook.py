@@ -7,12 +7,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import PROJECT, run_module
 from ipykernel.kernelspec import write_kernel_spec
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
-
-from conftest import PROJECT, run_module
 
 NOTEBOOK = PROJECT / "notebooks" / "explore.ipynb"
 KERNEL = "ladle-test"

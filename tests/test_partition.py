@@ -9,14 +9,15 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
-from ladle.config import load_recipe
-from ladle.errors import LadleError
-from ladle.launch import train_ingredients
-from ladle.models import adjacency, build_model, graph_inputs
-from ladle import partition as partition_module
-from ladle.partition import InEdges, label_balanced_partition, metis_partition
-from ladle.shards import load_shard, prepare_shards
-from ladle.views import ViewConfig, build_view
+from ladle.core.errors import LadleError
+from ladle.core.recipe import ViewConfig, load_recipe
+from ladle.graph import partition as partition_module
+from ladle.graph.inputs import adjacency, graph_inputs
+from ladle.graph.partition import InEdges, label_balanced_partition, metis_partition
+from ladle.graph.shards import load_shard, prepare_shards
+from ladle.graph.views import build_view
+from ladle.nn.models import build_model
+from ladle.train.launch import train_ingredients
 
 K = 8
 BALANCED = ViewConfig(kind="metis", balance="labels")

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch_geometric.typing
+from conftest import run_module
 from torch_geometric.data import Data
 
-from conftest import run_module
-from ladle.config import load_recipe
-from ladle.errors import LadleError
-from ladle.launch import train_ingredients
-from ladle.pyg_views import PyGView, with_backend
-from ladle.views import SAINT_KINDS, FullView, ViewConfig, build_view
+from ladle.core.errors import LadleError
+from ladle.core.recipe import SAINT_KINDS, ViewConfig, load_recipe
+from ladle.graph.pyg_views import PyGView, with_backend
+from ladle.graph.views import FullView, build_view
+from ladle.train.launch import train_ingredients
 
 torch.set_num_threads(1)
 

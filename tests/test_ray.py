@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from ladle.checkpoints import load_state, read_json
-from ladle.config import Recipe, load_recipe
-from ladle.errors import LadleError
-from ladle.launch import RunResult, train_ingredients
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, load_recipe
+from ladle.core.storage import load_state, read_json
+from ladle.train.launch import RunResult, train_ingredients
 
 K = 4
 OVERRIDES = ["dataset=cora", "view.kind=random", "epochs=5", "hidden=16", "seed=3"]
@@ -42,7 +42,7 @@ def recipe() -> Recipe:
 def local_run(recipe: Recipe, data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The reference: the same K ingredients on the local backend, one worker with one thread (as each Ray task)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("ladle.launch.available_cores", lambda: 1)
+        patch.setattr("ladle.train.launch.available_cores", lambda: 1)
         return train_ingredients(recipe, K, workers=1, run_dir=tmp_path_factory.mktemp("local") / "run",
                                  data_root=data_root, backend="local")
 
@@ -97,7 +97,7 @@ def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) ->
 
 def test_cuda_needs_gpus(recipe: Recipe) -> None:
     pytest.importorskip("ray")
-    from ladle.ray_backend import run_ray
+    from ladle.train.ray_tasks import run_ray
 
     with pytest.raises(LadleError, match="gpus-per-ingredient"):
         run_ray([], recipe, None, "cuda", {"address": None, "cpus": 1, "gpus": 0, "gather": False})

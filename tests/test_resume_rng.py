@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.checkpoints import load_state
-from ladle.config import load_recipe
-from ladle.engine import IngredientTask, Progress, load_progress, save_progress
-from ladle.models import build_model
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state
+from ladle.nn.models import build_model
+from ladle.train.loop import Progress, load_progress, save_progress
+from ladle.train.task import IngredientTask
 
 
 def _round_trip(tmp_path: Path, device: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT, run_module
-from ladle.config import load_recipe
-from ladle.errors import LadleError
-from ladle.launch import train_ingredients
-from ladle.rundir import lock_run_dir
-from ladle.soup import soup_run
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import load_recipe
+from ladle.core.rundir import lock_run_dir
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
 
 FULL = ["view.kind=full", "epochs=3"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_module, train_then_kill
-from ladle.checkpoints import load_state, save_state, write_json
-from ladle.errors import LadleError
+
+from ladle.core.errors import LadleError
+from ladle.core.storage import load_state, save_state, write_json
 
 
 class _Payload:
@@ -86,8 +86,8 @@ def test_resume_of_a_finished_run_trains_nothing(data_root: Path, tmp_path: Path
 
 
 def test_nan_loss_fails_that_ingredient_and_keeps_the_run(data_root: Path, tmp_path: Path) -> None:
-    from ladle.config import load_recipe
-    from ladle.launch import train_ingredients
+    from ladle.core.recipe import load_recipe
+    from ladle.train.launch import train_ingredients
 
     run = train_ingredients(load_recipe(None, ["view.kind=full", "epochs=5", "lr=1.0e+30"]), ingredients=2,
                             workers=1, run_dir=tmp_path / "run", data_root=data_root)

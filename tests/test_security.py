@@ -15,19 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_module
-from ladle.checkpoints import load_state, save_state
-from ladle.config import load_recipe
-from ladle.data import dataset_identity, load_dataset
-from ladle.errors import LadleError, run_cli
-from ladle.launch import resume_run, train_ingredients
-from ladle.models import build_model
+
+from ladle.core.errors import LadleError, run_cli
+from ladle.core.recipe import load_recipe
+from ladle.core.rundir import resolve_run_dir, update_latest
+from ladle.core.storage import load_state, save_state
+from ladle.graph.datasets import dataset_identity, load_dataset
+from ladle.graph.shards import load_shard, prepare_shards, shard_key
+from ladle.nn.models import build_model
 from ladle.prepare import cache_entries
 from ladle.prepare import main as prepare_main
-from ladle.rundir import resolve_run_dir, update_latest
-from ladle.shards import load_shard, prepare_shards, shard_key
-from ladle.soup import soup_run
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import resume_run, train_ingredients
 
 RANDOM_2 = ["view.kind=random"]
 

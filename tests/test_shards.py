@@ -11,19 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import PROJECT
-from ladle.checkpoints import load_state
-from ladle.config import load_recipe
-from ladle.engine import IngredientTask, train_ingredient
-from ladle.errors import LadleError, run_cli
-from ladle.evaluation import recompute_batch_norm
-from ladle.inference import LayerwiseInference
-from ladle.launch import train_ingredients
-from ladle.models import build_model, graph_inputs
+
+from ladle.core.errors import LadleError, run_cli
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state
+from ladle.graph.inputs import graph_inputs
+from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
+from ladle.graph.views import build_view
+from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.models import build_model
+from ladle.nn.scoring import recompute_batch_norm
 from ladle.prepare import main as prepare_main
-from ladle.shards import ShardSet, load_shard, prepare_shards, shard_key
-from ladle.views import build_view
+from ladle.train.launch import train_ingredients
+from ladle.train.loop import train_ingredient
+from ladle.train.task import IngredientTask
 
 METIS_2 = ["view.kind=metis", "epochs=100"]
 
@@ -90,12 +92,12 @@ def test_prepare_command(data_root: Path, capsys: pytest.CaptureFixture[str]) ->
 # parent's peak there (Linux keeps the pre-exec maximum), so it would read the pytest process's size.
 PEAK = """
 import sys
-from ladle.models import graph_inputs
+from ladle.graph.inputs import graph_inputs
 if sys.argv[1] == "shard":
-    from ladle.shards import load_shard
+    from ladle.graph.shards import load_shard
     data = load_shard(sys.argv[2]).data
 else:
-    from ladle.data import load_dataset
+    from ladle.graph.datasets import load_dataset
     data = load_dataset(sys.argv[2])
 graph_inputs(data, "gcn")
 print(float(data.x.sum()), [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])

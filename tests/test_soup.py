@@ -10,18 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from ladle import evaluation, learned
-from ladle.checkpoints import StateDict, load_state, save_state
-from ladle.config import SOUP_METRICS, load_recipe
-from ladle.data import load_dataset
-from ladle.errors import LadleError
-from ladle.evaluation import Evaluator, Metrics, average, metrics
-from ladle.launch import train_ingredients
-from ladle.models import GNN, adjacency, build_model, graph_inputs
-from ladle.rundir import load_ingredients
-from ladle.soup import main as soup_main
-from ladle.soup import soup_run
-from ladle.soups import greedy_interpolation_soup, greedy_soup, interpolate, search_alpha, uniform_soup
+from ladle.core.errors import LadleError
+from ladle.core.recipe import SOUP_METRICS, load_recipe
+from ladle.core.storage import StateDict, load_state, save_state
+from ladle.core.weights import average, interpolate
+from ladle.graph.datasets import load_dataset
+from ladle.graph.inputs import adjacency, graph_inputs
+from ladle.nn.models import GNN, build_model
+from ladle.nn.saved import load_ingredients
+from ladle.nn.scoring import Metrics, metrics
+from ladle.soup import evaluator as evaluation
+from ladle.soup import learned
+from ladle.soup.cli import main as soup_main
+from ladle.soup.evaluator import Evaluator
+from ladle.soup.methods import (
+    greedy_interpolation_soup,
+    greedy_soup,
+    search_alpha,
+    uniform_soup,
+)
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ladle import evaluation
-from ladle.config import load_recipe
-from ladle.evaluation import Evaluator, metrics
-from ladle.inference import LayerwiseInference
-from ladle.models import build_model
-from ladle.targets import TargetInference, accuracy_stderr, sample_targets, supports
+from ladle.core.recipe import load_recipe
+from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.models import build_model
+from ladle.nn.scoring import metrics
+from ladle.nn.target_nodes import (
+    TargetInference,
+    accuracy_stderr,
+    sample_targets,
+    supports,
+)
+from ladle.soup import evaluator as evaluation
+from ladle.soup.evaluator import Evaluator
 
 
 def _random_model(recipe, data, seed: int):
@@ -75,8 +81,8 @@ def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_dat
 
 @pytest.mark.parametrize("model", ["gcn", "sage"])
 def test_whole_graph_passes_reuse_the_first_aggregation_exactly(model: str) -> None:
-    from ladle.models import graph_inputs
-    from ladle.synthetic import synthetic_graph
+    from ladle.graph.inputs import graph_inputs
+    from ladle.graph.synthetic import synthetic_graph
 
     data = synthetic_graph(nodes=3000, degree=8, features=32, classes=5)  # dense features: the cached path
     data.num_classes = 5

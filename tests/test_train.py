@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.checkpoints import load_state
-from ladle.config import load_recipe
-from ladle.engine import IngredientTask, train_ingredient
-from ladle.launch import train_ingredients
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state
+from ladle.train.launch import train_ingredients
+from ladle.train.loop import train_ingredient
+from ladle.train.task import IngredientTask
 
 # (view kind, K, floor on full-graph test accuracy after 100 epochs; the majority class is 0.32). Partition views use K = 2 so
 # each part keeps ~70 training labels; with K = 8 a METIS part sees 1-3 classes (see the soup report).

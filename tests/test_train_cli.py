@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from ladle.checkpoints import StateDict, load_state
-from ladle.config import load_recipe
-from ladle.models import build_model
-from ladle.soup import main as soup_main
-from ladle.train import main as train_main
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import StateDict, load_state
+from ladle.nn.models import build_model
+from ladle.soup.cli import main as soup_main
+from ladle.train.cli import main as train_main
 
 SHORT = ["-k", "2", "--workers", "1", "view.kind=cluster", "epochs=3"]
 SAVED = ("init", "ingredient-00", "ingredient-01")

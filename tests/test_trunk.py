@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_module, train_then_kill
-from ladle.checkpoints import load_state, save_state
-from ladle.config import load_recipe
-from ladle.engine import MIN_SELECTION_NODES, IngredientTask, train_ingredient
-from ladle.launch import train_ingredients
-from ladle.models import build_model
-from ladle.soup import soup_run
+
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state, save_state
+from ladle.nn.models import build_model
+from ladle.soup.pipeline import soup_run
+from ladle.train.launch import train_ingredients
+from ladle.train.loop import MIN_SELECTION_NODES, train_ingredient
+from ladle.train.task import IngredientTask
 
 # A branch learning rate so small that Adam's steps vanish below float32 resolution: branches end where they start.
 FROZEN_BRANCHES = ["trunk.epochs=5", "epochs=2", "branch.lr=1e-30", "branch.keep=last", "soup.method=gis"]

@@ -19,19 +19,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
+from conftest import PROJECT, run_module
 from torch import Tensor
 from torch.multiprocessing import start_processes
 from torch_geometric.data import Data
 
-from conftest import PROJECT, run_module
-from ladle.comm import ring_allreduce_bytes, ring_broadcast_bytes, ring_chunks
-from ladle.config import load_recipe
-from ladle.data import load_dataset
-from ladle.errors import LadleError
-from ladle.models import build_model, graph_inputs
-from ladle.varrate import (COMPRESSORS, HaloExchange, Int8, RandomMask, RankData, RateSchedule, Traffic, Truncate,
-                           allreduce_gradients, build_plan, exchange_key, free_port, init_group, kept_columns,
-                           partition_forward, partition_loss, partition_nodes)
+from ladle.core.collectives import (
+    ring_allreduce_bytes,
+    ring_broadcast_bytes,
+    ring_chunks,
+)
+from ladle.core.errors import LadleError
+from ladle.core.recipe import load_recipe
+from ladle.graph.datasets import load_dataset
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import build_model
+from ladle.varrate import (
+    COMPRESSORS,
+    HaloExchange,
+    Int8,
+    RandomMask,
+    RankData,
+    RateSchedule,
+    Traffic,
+    Truncate,
+    allreduce_gradients,
+    build_plan,
+    exchange_key,
+    free_port,
+    init_group,
+    kept_columns,
+    partition_forward,
+    partition_loss,
+    partition_nodes,
+)
 from ladle.varrate import main as varrate_main
 
 torch.set_num_threads(1)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from ladle.views import PARTITION_KINDS, SAINT_KINDS, VIEW_KINDS, ViewConfig, build_view
+from ladle.core.recipe import PARTITION_KINDS, SAINT_KINDS, VIEW_KINDS, ViewConfig
+from ladle.graph.views import build_view
 
 torch.set_num_threads(1)
 

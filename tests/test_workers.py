@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle import launch
-from ladle.checkpoints import load_state
-from ladle.config import load_recipe
-from ladle.engine import ingredient_tasks
-from ladle.launch import train_ingredients
+from ladle.core.recipe import load_recipe
+from ladle.core.storage import load_state
+from ladle.train import launch
+from ladle.train.launch import train_ingredients
+from ladle.train.task import ingredient_tasks
 
 
 def _weights(run_dir: Path, ingredients: int) -> list[dict[str, torch.Tensor]]:

@@ -25,14 +25,48 @@ The report (accuracy against bytes) is written by :func:`ladle.report.write_byte
 from __future__ import annotations
 
 from ladle.varrate.cli import build_parser, main
-from ladle.varrate.compression import (COMPRESSORS, SCHEDULES, Compressor, Int8, RandomMask, RateSchedule, Truncate,
-                                       build_compressor, kept_columns)
-from ladle.varrate.engine import (EVAL_EVERY, SUPPORTED_MODELS, RankData, VarrateOptions, allreduce_gradients, check_model,
-                                  partition_forward, partition_loss, train_partition)
-from ladle.varrate.halo import (HaloExchange, HaloPlan, PeerFailure, Traffic, build_plan, collective, exchange_key,
-                                partition_nodes)
-from ladle.varrate.ranks import (check_inputs, free_port, init_group, load_rank_data, rank_device, run_rank,
-                                 run_spawned, run_torchrun)
+from ladle.varrate.compression import (
+                                       COMPRESSORS,
+                                       SCHEDULES,
+                                       Compressor,
+                                       Int8,
+                                       RandomMask,
+                                       RateSchedule,
+                                       Truncate,
+                                       build_compressor,
+                                       kept_columns,
+)
+from ladle.varrate.halo import (
+                                       HaloExchange,
+                                       HaloPlan,
+                                       PeerFailure,
+                                       Traffic,
+                                       build_plan,
+                                       collective,
+                                       exchange_key,
+                                       partition_nodes,
+)
+from ladle.varrate.ranks import (
+                                       check_inputs,
+                                       free_port,
+                                       init_group,
+                                       load_rank_data,
+                                       rank_device,
+                                       run_rank,
+                                       run_spawned,
+                                       run_torchrun,
+)
+from ladle.varrate.trainer import (
+                                       EVAL_EVERY,
+                                       SUPPORTED_MODELS,
+                                       RankData,
+                                       VarrateOptions,
+                                       allreduce_gradients,
+                                       check_model,
+                                       partition_forward,
+                                       partition_loss,
+                                       train_partition,
+)
 
 __all__ = [
     "COMPRESSORS", "EVAL_EVERY", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "HaloExchange", "HaloPlan", "Int8", "PeerFailure",

@@ -6,13 +6,17 @@ import os
 import warnings
 from pathlib import Path
 
-from ladle.config import add_recipe_arguments, recipe_from_args
-from ladle.errors import LadleError
-from ladle.metrics import LOGGERS, check_loggers
-from ladle.varrate.compression import COMPRESSORS, SCHEDULES, RateSchedule, build_compressor
-from ladle.varrate.engine import EVAL_EVERY, VarrateOptions
+from ladle.core.errors import LadleError
+from ladle.core.recipe import PARTITION_KINDS, add_recipe_arguments, recipe_from_args
+from ladle.train.curves import LOGGERS, check_loggers
+from ladle.varrate.compression import (
+    COMPRESSORS,
+    SCHEDULES,
+    RateSchedule,
+    build_compressor,
+)
 from ladle.varrate.ranks import run_spawned, run_torchrun
-from ladle.views import PARTITION_KINDS
+from ladle.varrate.trainer import EVAL_EVERY, VarrateOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,4 +107,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{(sent['metrics'] + sent['setup']) / 1e6:.3f} metrics and setup")
         print(f"run directory: {meta['run_dir']}")
     return 0
-

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ladle.errors import LadleError
+from ladle.core.errors import LadleError
 
 SCHEDULES = ("full", "fixed", "linear", "step", "none")
 
@@ -140,7 +140,6 @@ def build_compressor(name: str) -> Compressor:
     return COMPRESSORS[name]()
 
 
-
 @dataclass(frozen=True)
 class RateSchedule:
     """The compression ratio ``r_t`` of each epoch; ``None`` means no exchange at all (``none``).
@@ -191,4 +190,3 @@ class RateSchedule:
     def describe(self) -> dict[str, Any]:
         """JSON-able settings."""
         return {**asdict(self), "steps": list(self.levels()) if self.kind == "step" else []}
-

@@ -12,12 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch_geometric.data import Data
 
-from ladle.errors import LadleError
-from ladle.models import adjacency
-from ladle.partition import stream_seed
-from ladle.sparse import SparseMatrix
+from ladle.core.errors import LadleError
+from ladle.core.recipe import PARTITION_KINDS, ViewConfig
+from ladle.graph.inputs import adjacency
+from ladle.graph.partition import stream_seed
+from ladle.graph.sparse import SparseMatrix
+from ladle.graph.views import build_view
 from ladle.varrate.compression import Compressor
-from ladle.views import PARTITION_KINDS, ViewConfig, build_view
 
 
 @dataclass(eq=False)
@@ -101,7 +102,6 @@ def partition_nodes(data: Data, kind: str, parts: int, seed: int) -> Tensor:
     except ValueError as error:
         raise LadleError(f"--partition {kind} with {parts} workers: {error}") from None
     return view.parts  # type: ignore[attr-defined]
-
 
 
 class PeerFailure(RuntimeError):
@@ -193,7 +193,6 @@ class _HaloFunction(torch.autograd.Function):
         exchange.traffic.backward_halo += sent
         rows = grad.new_zeros(ctx.num_rows, grad.size(1)).index_add_(0, plan.send_index, back)
         return rows, None, None
-
 
 
 def _first_line(error: BaseException) -> str:

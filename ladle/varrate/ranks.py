@@ -13,15 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ladle.checkpoints import read_json
-from ladle.comm import ring_broadcast_bytes
-from ladle.config import Recipe, recipe_from_dict
-from ladle.data import load_dataset
-from ladle.errors import LadleError
-from ladle.resources import available_cores, resolve_device
-from ladle.rundir import RunDir, new_run_dir
-from ladle.varrate.engine import RankData, VarrateOptions, check_model, train_partition
+from ladle.core.collectives import ring_broadcast_bytes
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, recipe_from_dict
+from ladle.core.resources import available_cores, resolve_device
+from ladle.core.rundir import RunDir, new_run_dir
+from ladle.core.storage import read_json
+from ladle.graph.datasets import load_dataset
 from ladle.varrate.halo import partition_nodes
+from ladle.varrate.trainer import RankData, VarrateOptions, check_model, train_partition
 
 log = logging.getLogger(__name__)
 

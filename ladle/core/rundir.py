@@ -1,0 +1,295 @@
+"""The run directory: the one module that names its files.
+
+``checkpoints/<run>/`` holds ``run.json`` (the run's settings and status), ``init.safetensors`` (the
+shared initial weights), ``trunk.safetensors`` + ``trunk.json`` (the shared trunk the ingredients
+branch from, when the recipe has one), ``partition.safetensors`` (partition views), ``shards`` (a link
+to the prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingredient-XX.json`` (and
+``ingredient-XX.progress.safetensors`` while it trains), ``baseline.*``, ``averaged.*``,
+``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
+or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``; the training
+curves (:mod:`ladle.metrics`): ``metrics-<name>.csv`` per process, merged into ``metrics.csv``, and with
+``--log tensorboard`` event files under ``tensorboard-logs/<curve>/``.
+``checkpoints/latest`` points at the newest run.
+
+A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
+exclusive ``flock`` on ``run.lock`` (:func:`lock_run_dir`), which the kernel releases when the process
+dies. Everything read back is checked against ``run.json``'s recipe (:func:`expected_shapes`).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import recipe_from_dict
+from ladle.core.storage import read_json
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = Path("checkpoints")
+BASELINE = "baseline"
+AVERAGED = "averaged"
+TRUNK = "trunk"
+
+
+def ingredient_name(k: int) -> str:
+    """``ingredient-03`` for k = 3."""
+    return f"ingredient-{k:02d}"
+
+
+def soup_name(method: str) -> str:
+    """``soup-gis`` for the method ``gis``: the soup's name in reports and files."""
+    return f"soup-{method}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of the files of one run directory (nothing is created or read here, except :meth:`finished` and
+    :meth:`metrics_parts`)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def run_json(self) -> Path:
+        """The run's settings and status."""
+        return self.path / "run.json"
+
+    @property
+    def lock(self) -> Path:
+        """Who owns the run directory now (pid, command, start time), locked with ``flock`` while they do."""
+        return self.path / "run.lock"
+
+    @property
+    def init(self) -> Path:
+        """The shared initial weights."""
+        return self.path / "init.safetensors"
+
+    @property
+    def partition(self) -> Path:
+        """The part id of every node (partition views), computed once for all workers."""
+        return self.path / "partition.safetensors"
+
+    @property
+    def shards(self) -> Path:
+        """The link to the run's prepared shards (made by :meth:`ladle.shards.ShardSet.link`)."""
+        return self.path / "shards"
+
+    def weights(self, name: str) -> Path:
+        """The weights of a model of the run (an ingredient, ``baseline``, ``averaged``, a soup)."""
+        return self.path / f"{name}.safetensors"
+
+    def meta(self, name: str) -> Path:
+        """The JSON metadata next to :meth:`weights`."""
+        return self.path / f"{name}.json"
+
+    def progress(self, name: str) -> Path:
+        """The resumable training state of a model still training."""
+        return self.path / f"{name}.progress.safetensors"
+
+    def finished(self, name: str) -> bool:
+        """Whether ``name`` has weights and metadata that says ``done``."""
+        meta = self.meta(name)
+        return self.weights(name).is_file() and meta.is_file() and read_json(meta).get("status") == "done"
+
+    @property
+    def report_json(self) -> Path:
+        """Soup report: everything measured, as JSON."""
+        return self.path / "report.json"
+
+    @property
+    def report_md(self) -> Path:
+        """The report as Markdown (soup or varrate)."""
+        return self.path / "report.md"
+
+    @property
+    def accuracy_plot(self) -> Path:
+        """Soup report: test accuracy of ingredients, soups and references."""
+        return self.path / "accuracy.png"
+
+    @property
+    def alpha_plot(self) -> Path:
+        """Soup report: validation accuracy against alpha for each interpolation step."""
+        return self.path / "alpha.png"
+
+    @property
+    def bytes_plot(self) -> Path:
+        """Varrate report: test accuracy against the bytes sent."""
+        return self.path / "accuracy-bytes.png"
+
+    @property
+    def varrate_model(self) -> Path:
+        """A varrate run's best-validation weights."""
+        return self.path / "model.safetensors"
+
+    @property
+    def varrate_json(self) -> Path:
+        """A varrate run's metadata (bytes and timings per epoch)."""
+        return self.path / "varrate.json"
+
+    @property
+    def metrics(self) -> Path:
+        """Every model's per-epoch training curve, merged (:func:`ladle.metrics.merge_metrics`)."""
+        return self.path / "metrics.csv"
+
+    def metrics_part(self, name: str) -> Path:
+        """The curves one process logs while ``name`` trains, before they are merged into :attr:`metrics`."""
+        return self.path / f"metrics-{name}.csv"
+
+    def metrics_parts(self) -> list[Path]:
+        """Every :meth:`metrics_part` in the folder, sorted by name."""
+        return sorted(self.path.glob("metrics-*.csv"))
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files, one folder per curve (``--log tensorboard``)."""
+        return self.path / "tensorboard-logs"
+
+
+def new_run_dir(prefix: str, checkpoints_root: Path = CHECKPOINTS) -> Path:
+    """``checkpoints_root/<prefix>-<date>-<time>``, suffixed ``-1``, ``-2``... when taken (not created)."""
+    base = checkpoints_root / f"{prefix}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    return path
+
+
+def averaging_run_dir(recipe_name: str, average_every: int, checkpoints_root: Path = CHECKPOINTS) -> Path:
+    """The default folder of a periodic-averaging run."""
+    return checkpoints_root / f"{recipe_name}-averaged-every-{average_every}"
+
+
+def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
+    """Point ``checkpoints_root/latest`` at ``run_dir`` (a relative symlink, replaced atomically); say so
+    when it cannot (a real directory of that name is never replaced)."""
+    link = checkpoints_root / "latest"
+    if link.is_dir() and not link.is_symlink():
+        log.warning("%s is a real directory, not updated: remove it", link)
+        return
+    temp = checkpoints_root / f".latest.{os.getpid()}"
+    temp.unlink(missing_ok=True)
+    try:
+        target = os.path.relpath(run_dir.resolve(), checkpoints_root.resolve())
+        temp.symlink_to(target, target_is_directory=True)
+        os.replace(temp, link)
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        log.warning("%s not updated: %s", link, error.strerror)
+
+
+def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPOINTS) -> Path:
+    """An existing run directory: the argument, else ``checkpoints/latest`` (a link, never a stale real folder)."""
+    path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"
+    if run_dir is None and path.is_dir() and not path.is_symlink():
+        raise LadleError(f"{path} is a real directory, not a link to the newest run: remove it, or pass --run-dir")
+    if not path.is_dir():
+        hint = "train one with python -m ladle.train" if run_dir is None else "check --run-dir"
+        raise LadleError(f"run directory {path} not found ({hint})")
+    if not RunDir(path).run_json.is_file():
+        raise LadleError(f"{path} is not a ladle run (no run.json)")
+    return path.resolve()
+
+
+# ---------------------------------------------------------------- one owner at a time
+
+
+@contextmanager
+def lock_run_dir(run_dir: Path, command: str) -> Iterator[None]:
+    """Own ``run_dir`` while the block runs: an exclusive, non-blocking ``flock`` on its lock file, which
+    records the pid, ``command`` and start time; a directory another process owns is refused in one line.
+    The kernel drops the lock when the process dies, so a killed run can be resumed at once."""
+    fd = _acquire(run_dir)
+    try:
+        owner = {"pid": os.getpid(), "command": command, "since": dt.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse now, before long work, a run directory another process owns (the work takes the lock later)."""
+    if RunDir(run_dir).lock.exists():
+        os.close(_acquire(run_dir))
+
+
+def _acquire(run_dir: Path) -> int:
+    """A descriptor of the run directory's lock file, locked exclusively (refused when another holds it)."""
+    path = RunDir(run_dir).lock
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _owner(fd)
+        os.close(fd)
+        raise LadleError(f"run directory {run_dir} is in use by {owner}; wait for it to end or choose another "
+                         "--run-dir") from None
+    except OSError as error:  # a file system without flock
+        os.close(fd)
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    return fd
+
+
+def _owner(fd: int) -> str:
+    """``pid N (command since T)`` from a lock file's record, or ``another process`` while it is unwritten."""
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(owner['pid'])} ({owner['command']} since {owner['since']})"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
+    """Refuse to train ``run`` (``recipe``, ``ingredients``, ``init``, ``baseline``) into a directory whose
+    ``run.json`` holds another run: only ``--resume`` continues one."""
+    files = RunDir(run_dir)
+    if not files.run_json.is_file():
+        return
+    existing = read_json(files.run_json)
+    differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"
+                   for key in ("ingredients", "init", "baseline") if existing.get(key) != run[key]]
+    recipe = recipe_difference(run["recipe"], existing.get("recipe", {}))
+    differences += [recipe] if recipe else []
+    if differences:
+        raise LadleError(f"run directory {run_dir} already holds another run ({'; '.join(differences)}): "
+                         "finish it with --resume, or choose another --run-dir")
+
+
+# ---------------------------------------------------------------- everything read back matches run.json
+
+
+def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
+    """'' when two recipes are the same once defaults are filled in, else each difference: ``hidden 32,
+    run.json 64``."""
+    try:
+        ours, theirs = (_flat(recipe_from_dict(values).to_dict()) for values in (found, expected))
+    except LadleError as error:
+        return f"a recipe this version cannot read: {error}"
+    return "; ".join(f"{key} {ours.get(key)!r}, run.json {theirs.get(key)!r}"
+                     for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key))
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe dict with dotted keys (``view.kind``)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

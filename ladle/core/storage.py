@@ -1,0 +1,122 @@
+"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.rundir`).
+
+Every write goes to a temporary file in the same folder, is fsynced, then renamed over the target:
+a crash leaves the old file or the new, never half. Nothing here unpickles: weights load with
+safetensors, metadata with json.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+from torch import Tensor
+
+from ladle.core.errors import LadleError
+
+StateDict = dict[str, Tensor]
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Write ``path`` through a temp file in its folder, fsync, then rename; clean up on failure.
+
+    The temp file is created ``0o666`` less the umask, as ``open`` would (not ``mkstemp``'s ``0600``),
+    so a run is readable by whoever may read the folder: ``0644`` under the usual umask ``022``.
+    """
+    path = Path(path)
+    temp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except PermissionError:
+        raise LadleError(f"cannot write to {path.parent}: permission denied (choose another --run-dir)") from None
+    try:
+        with os.fdopen(handle, mode) as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except OSError as error:
+        Path(temp).unlink(missing_ok=True)
+        if error.errno == errno.ENOSPC:
+            raise LadleError(f"disk full while writing {path}; free space and rerun (use --resume)") from None
+        raise
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Atomically write ``payload`` as pretty JSON."""
+    with atomic_open(path, "w") as stream:
+        json.dump(payload, stream, indent=2, sort_keys=True)
+        stream.write("\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON metadata file, naming it in the error when missing or corrupt."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise LadleError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise LadleError(f"{path} is corrupt ({error.__class__.__name__}); delete it and retrain that part") from None
+    if not isinstance(payload, dict):
+        raise LadleError(f"{path} is corrupt: expected a JSON object")
+    return payload
+
+
+def save_state(path: Path, state: StateDict, metadata: dict[str, str] | None = None) -> None:
+    """Atomically save tensors (contiguous CPU copies) and optional string metadata as safetensors."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    with atomic_open(path) as stream:
+        stream.write(save_safetensors_bytes(tensors, metadata=metadata))
+
+
+def load_state_and_metadata(path: Path) -> tuple[StateDict, dict[str, str]]:
+    """Load a safetensors file with its header metadata (one file: both change together, atomically)."""
+    state = load_state(path)
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return state, dict(handle.metadata() or {})
+    except (SafetensorError, OSError) as error:
+        raise LadleError(f"checkpoint {path} is corrupt or truncated ({error}); retrain it or remove it") from None
+
+
+def load_state(path: Path) -> StateDict:
+    """Load safetensors weights; any ``.pt`` goes through ``torch.load(weights_only=True)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise LadleError(f"checkpoint {path} is missing")
+    if path.suffix in (".pt", ".pth"):
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - the unpickler refuses with many types
+            raise LadleError(
+                f"refused to load {path}: not a plain tensor checkpoint ({type(error).__name__}); "
+                "only safetensors or weights-only .pt files are accepted"
+            ) from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
+            raise LadleError(f"{path} does not hold a state dict of tensors")
+        return loaded
+    try:
+        return load_safetensors_bytes(path.read_bytes())
+    except (SafetensorError, ValueError, OSError) as error:
+        raise LadleError(f"checkpoint {path} is corrupt or truncated ({error}); retrain it or remove it") from None
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    """Write a matplotlib ``Figure`` to ``path`` as PNG, atomically."""
+    with atomic_open(path) as stream:
+        figure.savefig(stream, format="png", dpi=110)
+    return path

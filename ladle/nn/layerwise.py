@@ -1,0 +1,198 @@
+"""Full-graph logits of a ladle :class:`~ladle.models.GNN`, layer by layer over batches of nodes.
+
+A plain forward builds the whole normalised adjacency ``Â`` (a CSR and its transpose) and every
+layer's activations at once. Here layer ``l`` is finished for all nodes before layer ``l + 1``
+starts (no node is recomputed, unlike sampled inference), and its aggregation reads the rows of
+``Â`` of one batch of target nodes at a time from the graph's in-edge CSR (a shard's memory-mapped
+``rowptr``/``col``, or one sort of ``edge_index``), with no transpose and no autograd buffers. Peak
+memory: the features, two ``N x width`` activation buffers and one batch's rows.
+
+Batches are cut by entries of ``A + I`` (default ``2^24``), not by nodes: torch's CSR product costs
+``O(N * width)`` a call whatever the batch (it copies the dense operand), so few large batches are
+several times faster than many small ones; a 1M-node, 10M-edge graph is one batch.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import Data
+from torch_geometric.nn import GATConv
+from tqdm import tqdm
+
+from ladle.graph.inputs import use_sparse_features
+from ladle.graph.shards import Shard
+from ladle.nn.models import GNN, GCNLayer, SAGELayer
+
+DEFAULT_BATCH_ENTRIES = 1 << 24  # entries of A + I per batch of rows
+FIRST_AGGREGATION_BYTES = 2 << 30  # dense features up to this size get their first aggregation cached
+
+
+class LayerwiseInference:
+    """Computes ``model(graph)`` for every node of one graph, exactly up to float rounding, batch by batch.
+
+    ``rowptr``/``col``: the in-edge CSR (row ``v`` lists the sources ``u`` of the edges ``u -> v``), as
+    :mod:`ladle.shards` stores it. Built once per graph; each :meth:`logits` call takes any weights.
+    """
+
+    def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> None:
+        if batch_entries < 1:
+            raise ValueError(f"batch_entries must be >= 1, got {batch_entries}")
+        self.x, self.rowptr, self.col = x, rowptr, col
+        self.num_nodes = rowptr.numel() - 1
+        in_degree = rowptr.diff().float().unsqueeze(1)
+        self.gcn_scale = (in_degree + 1).pow(-0.5)  # D^-1/2, degrees counted in A + I
+        self.mean_scale = 1.0 / in_degree.clamp(min=1)
+        entries = rowptr + torch.arange(self.num_nodes + 1)  # entries of A + I before each row
+        starts = torch.searchsorted(entries[:-1], torch.arange(0, int(entries[-1]), batch_entries)).unique()
+        bounds = torch.cat([starts, torch.tensor([self.num_nodes])]).tolist()
+        self.ranges = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+        self._ones = torch.ones(max((int(rowptr[e] - rowptr[s]) for s, e in self.ranges), default=0))
+        self._first: dict[str, Tensor] = {}  # cached first aggregations (see _aggregated)
+
+    @classmethod
+    def from_data(cls, data: Data, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
+        """From a PyG graph (messages flow ``edge_index[0] -> edge_index[1]``): one sort of its edges."""
+        src, dst = data.edge_index
+        order = torch.argsort(dst * data.num_nodes + src)
+        rowptr = torch.zeros(data.num_nodes + 1, dtype=torch.long)
+        rowptr[1:] = torch.bincount(dst, minlength=data.num_nodes).cumsum(0)
+        return cls(data.x, rowptr, src[order], batch_entries)
+
+    @classmethod
+    def from_shard(cls, shard: Shard, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
+        """From a loaded shard (usually a run's ``shards/graph``): its CSR is used as it is, memory-mapped."""
+        return cls(shard.data.x, shard.rowptr, shard.col, batch_entries)
+
+    @torch.no_grad()
+    def logits(self, model: GNN, bn_nodes: Tensor | None = None) -> Tensor:
+        """``model``'s eval-mode logits for all nodes, ``[num_nodes, classes]``.
+
+        ``bn_nodes``: first re-estimate each batch-norm layer's running statistics (in place) as the
+        mean and unbiased variance of these nodes' activations, the layers below already in eval mode
+        (:func:`ladle.evaluation.recompute_batch_norm` propagates train-mode activations through one forward
+        of a sub-graph instead; on all of Cora's nodes the two differ by ~1e-3 in the logits).
+        """
+        model.eval()
+        h = self.x
+        bar = tqdm(total=len(model.convs) * len(self.ranges), desc="layer-wise inference", unit="chunk",
+                   leave=False, dynamic_ncols=True, disable=None)  # a chunk: one layer over one batch of rows
+        for i, conv in enumerate(model.convs):
+            sparse = i == 0 and use_sparse_features(self.x, model.model)
+            if i == 0 and not sparse and self._caches_first(conv):
+                h = self._first_layer(conv)
+            else:
+                h = self._layer(conv, h, sparse)
+            bar.update(len(self.ranges))
+            if i == len(model.convs) - 1:
+                break
+            norm = model.norms[i]
+            if bn_nodes is not None and isinstance(norm, nn.BatchNorm1d):
+                chosen = h[bn_nodes]
+                norm.running_mean.copy_(chosen.mean(0))
+                norm.running_var.copy_(chosen.var(0))
+                norm.num_batches_tracked.fill_(1)
+            for start, end in self.ranges:
+                h[start:end] = F.relu(norm(h[start:end]))
+        bar.close()
+        return h
+
+    def _caches_first(self, conv: nn.Module) -> bool:
+        """Whether the first layer reuses the cached aggregation of the features: GCN or SAGE, on dense
+        features small enough (:data:`FIRST_AGGREGATION_BYTES`) to hold a second copy of."""
+        small = self.x.numel() * 4 <= FIRST_AGGREGATION_BYTES
+        return small and isinstance(conv, (GCNLayer, SAGELayer))
+
+    def _aggregated(self, mean: bool) -> Tensor:
+        """The weight-free first aggregation of the features for all nodes, computed on first use and kept:
+        ``Â X`` (GCN, ``mean=False``) or the in-neighbour mean of ``X`` (SAGE). The first layer is linear
+        in its weights (``Â X W = (Â X) W``), so every later model pays one dense product instead of a
+        pass over the edges."""
+        key = "mean" if mean else "gcn"
+        if key not in self._first:
+            x = self.x.float()
+            source = x if mean else x * self.gcn_scale
+            out = torch.empty(self.num_nodes, x.size(1))
+            for start, end in self.ranges:
+                if mean:
+                    torch.mm(self._rows(start, end), source, out=out[start:end])
+                else:  # (A + I) rows: the neighbours, plus the node itself
+                    torch.addmm(source[start:end], self._rows(start, end), source, out=out[start:end])
+            self._first[key] = out.mul_(self.mean_scale if mean else self.gcn_scale)
+        return self._first[key]
+
+    def _first_layer(self, conv: nn.Module) -> Tensor:
+        """The first GCN/SAGE layer from the cached aggregation (:meth:`_aggregated`)."""
+        if isinstance(conv, GCNLayer):
+            out = self._aggregated(mean=False) @ conv.lin.weight.t()
+            return out.add_(conv.bias) if conv.bias is not None else out
+        out = self._aggregated(mean=True) @ conv.lin_l.weight.t()
+        return out.add_(conv.lin_l.bias).add_(self._project(self.x, conv.lin_r.weight, sparse=False))
+
+    def _rows(self, start: int, end: int) -> Tensor:
+        """Rows ``start:end`` of the adjacency (entries 1), a ``[end - start, N]`` CSR over the stored columns."""
+        first, last = int(self.rowptr[start]), int(self.rowptr[end])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+            return torch.sparse_csr_tensor(self.rowptr[start:end + 1] - first, self.col[first:last],
+                                           self._ones[:last - first], (end - start, self.num_nodes),
+                                           check_invariants=False)
+
+    def _project(self, h: Tensor, weight: Tensor, sparse: bool) -> Tensor:
+        """``h W^T`` for all nodes, a batch of rows at a time (sparse rows for bag-of-words features)."""
+        out = torch.empty(self.num_nodes, weight.size(0))
+        for start, end in self.ranges:
+            out[start:end] = _matmul_rows(h[start:end], weight.t(), sparse)
+        return out
+
+    def _layer(self, conv: nn.Module, h: Tensor, sparse: bool) -> Tensor:
+        if isinstance(conv, GCNLayer):  # Â = D^-1/2 (A + I) D^-1/2, degrees counted in A + I
+            scale = self.gcn_scale
+            projected = self._project(h, conv.lin.weight, sparse).mul_(scale)
+            out = torch.empty_like(projected)
+            for start, end in self.ranges:  # (A + I) rows of the batch, then the target's own scale
+                torch.addmm(projected[start:end], self._rows(start, end), projected, out=out[start:end])
+            out.mul_(scale)
+            return out.add_(conv.bias) if conv.bias is not None else out
+        if isinstance(conv, SAGELayer):  # mean over in-neighbours, plus the root's own projection
+            projected = self._project(h, conv.lin_l.weight, sparse)
+            out = torch.empty_like(projected)
+            for start, end in self.ranges:
+                torch.mm(self._rows(start, end), projected, out=out[start:end])
+            del projected
+            out.mul_(self.mean_scale).add_(conv.lin_l.bias)
+            return out.add_(self._project(h, conv.lin_r.weight, sparse))
+        assert isinstance(conv, GATConv)
+        return self._gat(conv, h)
+
+    def _gat(self, conv: GATConv, h: Tensor) -> Tensor:
+        """Attention needs each edge's endpoints: per batch, its targets first, then their other sources,
+        so GATConv's own self-loops ``(i, i)`` for the first ``batch`` sources land on the targets."""
+        local = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        out: Tensor | None = None
+        for start, end in self.ranges:
+            first, last = int(self.rowptr[start]), int(self.rowptr[end])
+            sources = self.col[first:last]
+            targets = torch.repeat_interleave(torch.arange(end - start), self.rowptr[start:end + 1].diff())
+            local[start:end] = torch.arange(end - start)
+            others = sources[local[sources] < 0].unique()
+            local[others] = torch.arange(others.numel()) + (end - start)
+            needed = torch.cat([torch.arange(start, end), others])
+            batch = conv((h[needed], h[start:end]), torch.stack([local[sources], targets]))
+            local[needed] = -1
+            if out is None:
+                out = torch.empty(self.num_nodes, batch.size(1))
+            out[start:end] = batch
+        assert out is not None
+        return out
+
+
+def _matmul_rows(rows: Tensor, matrix: Tensor, sparse: bool) -> Tensor:
+    """``rows @ matrix``, through a CSR copy of ``rows`` when they are mostly zeros."""
+    if not sparse:
+        return rows @ matrix
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return rows.to_sparse_csr() @ matrix

@@ -1,0 +1,95 @@
+"""GCN, GraphSAGE and GAT on PyG's convolutions, and the graph inputs they consume.
+
+GCN and SAGE layers keep PyG's parameters (``GCNConv``/``SAGEConv`` state dicts) but aggregate with a
+cached :class:`~ladle.sparse.SparseMatrix` (``out = Â · X W``), 2-3x faster than ``edge_index``
+message passing on CPU. GAT needs per-edge attention and takes ``edge_index``.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+from ladle.core.recipe import Recipe
+from ladle.graph.inputs import Features, GraphInputs
+from ladle.graph.sparse import SparseMatrix
+
+
+def project_features(x: Features, linear: nn.Module) -> Tensor:
+    """``x W^T`` for dense or sparse ``x`` (PyG ``Linear`` weights; the bias is added by the caller)."""
+    if isinstance(x, SparseMatrix):
+        return x.matmul(linear.weight.t())
+    return F.linear(x, linear.weight)
+
+
+class GCNLayer(GCNConv):
+    """``H' = Â H W + b`` with a pre-normalised ``Â = D^-1/2 (A + I) D^-1/2``."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__(in_channels, out_channels, normalize=False, add_self_loops=False)
+
+    def forward(self, x: Features, adj: SparseMatrix) -> Tensor:  # type: ignore[override]
+        out = adj.matmul(project_features(x, self.lin))
+        return out + self.bias if self.bias is not None else out
+
+
+class SAGELayer(SAGEConv):
+    """``H' = mean_{j∈N(i)} H_j W_l + b + H_i W_r`` (projection before the mean: same maths, cheaper)."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__(in_channels, out_channels, aggr="mean")
+
+    def forward(self, x: Features, adj: SparseMatrix) -> Tensor:  # type: ignore[override]
+        out = adj.matmul(project_features(x, self.lin_l)) + self.lin_l.bias
+        return out + project_features(x, self.lin_r)
+
+
+class GNN(nn.Module):
+    """A stack of ``layers`` graph convolutions with norm, ReLU and dropout between them."""
+
+    def __init__(self, model: str, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
+                 dropout: float = 0.5, norm: str = "none", heads: int = 8) -> None:
+        super().__init__()
+        self.model, self.dropout = model, dropout
+        sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
+        self.convs = nn.ModuleList()
+        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            last = i == layers - 1
+            if model == "gcn":
+                self.convs.append(GCNLayer(fan_in, fan_out))
+            elif model == "sage":
+                self.convs.append(SAGELayer(fan_in, fan_out))
+            else:
+                in_width = fan_in if i == 0 else hidden
+                out_per_head, n_heads = (fan_out, 1) if last else (max(1, hidden // heads), heads)
+                self.convs.append(GATConv(in_width, out_per_head, heads=n_heads, dropout=dropout))
+                sizes[i + 1] = out_per_head * n_heads
+        self.norms = nn.ModuleList(_norm(norm, width) for width in sizes[1:-1])
+
+    def forward(self, inputs: GraphInputs) -> Tensor:
+        """Logits for every node of ``inputs``."""
+        h: Features = inputs.x
+        for i, conv in enumerate(self.convs):
+            h = conv(h, inputs.adj)
+            if i < len(self.convs) - 1:
+                h = F.dropout(F.relu(self.norms[i](h)), self.dropout, self.training)
+        assert isinstance(h, Tensor)
+        return h
+
+    def has_batch_norm(self) -> bool:
+        """Whether running statistics must be recomputed after merging weights."""
+        return any(isinstance(n, nn.BatchNorm1d) for n in self.norms)
+
+
+def _norm(kind: str, width: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm1d(width)
+    if kind == "layer":
+        return nn.LayerNorm(width)
+    return nn.Identity()
+
+
+def build_model(recipe: Recipe, in_channels: int, num_classes: int) -> GNN:
+    """The recipe's model (``model``, ``hidden``, ``layers``, ``dropout``, ``norm``, ``heads``)."""
+    return GNN(recipe.model, in_channels, recipe.hidden, num_classes, recipe.layers, recipe.dropout,
+               recipe.norm, recipe.heads)

@@ -1,0 +1,106 @@
+"""What a run saved, read back checked: every checkpoint must hold the keys and shapes of a model built
+from the run's ``run.json`` recipe, and every ingredient its recipe."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import recipe_from_dict
+from ladle.core.rundir import RunDir, ingredient_name, recipe_difference
+from ladle.core.storage import StateDict, load_state, read_json
+from ladle.nn.models import build_model
+
+log = logging.getLogger(__name__)
+
+
+def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the weights of a model of ``run``'s recipe (its ``run.json``), which every
+    checkpoint of the run must hold; built on the meta device, so nothing is allocated and no RNG drawn."""
+    with torch.device("meta"):
+        model = build_model(recipe_from_dict(run["recipe"]), int(run["dataset"]["features"]),
+                            int(run["dataset"]["classes"]))
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
+    """Load a checkpoint of the run, refused unless it holds exactly the keys and shapes of the run's recipe."""
+    state = load_state(path)
+    for key, shape in expected.items():
+        if key not in state:
+            raise LadleError(f"{path} does not match the run's recipe (no {key})")
+        if tuple(state[key].shape) != shape:
+            raise LadleError(f"{path} does not match the run's recipe ({key} has shape {tuple(state[key].shape)}, "
+                             f"the recipe gives {shape})")
+    extra = sorted(state.keys() - expected.keys())
+    if extra:
+        raise LadleError(f"{path} does not match the run's recipe (unexpected {extra[0]})")
+    return state
+
+
+def verify_finished(files: RunDir, name: str, expected: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``name`` is finished and its weights load with the run's keys and shapes; a damaged one is
+    logged and counts as unfinished, so ``--resume`` trains it again."""
+    try:
+        if not files.finished(name):
+            return False
+        check_weights(files.weights(name), expected)
+    except LadleError as error:
+        log.warning("%s will be trained again: %s", name, error)
+        return False
+    return True
+
+
+@dataclass
+class Ingredients:
+    """The finished ingredients of a run that match its ``run.json``, and those left out."""
+
+    names: list[str]
+    states: list[StateDict]
+    metas: list[dict[str, Any]]
+    missing: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why (``--skip-bad``)
+
+
+def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
+    """Load every finished ingredient, each checked against ``run.json``'s recipe (its own recipe, and the
+    keys and shapes of a model built from it); name missing ones; refuse (or skip, with why) the others."""
+    files = RunDir(run_dir)
+    run = read_json(files.run_json)
+    expected = expected_shapes(run)
+    bundle = Ingredients([], [], [], [])
+    for k in range(int(run["ingredients"])):
+        name = ingredient_name(k)
+        weights, meta_path = files.weights(name), files.meta(name)
+        if not weights.exists() and not meta_path.exists():
+            bundle.missing.append(name)
+            continue
+        try:
+            meta = read_json(meta_path)
+            if meta.get("status") != "done":
+                bundle.missing.append(name)
+                continue
+            difference = recipe_difference(meta.get("recipe", {}), run["recipe"])
+            if difference:
+                raise LadleError(f"{weights} does not match the run's recipe ({difference})")
+            state = check_weights(weights, expected)
+        except LadleError as error:
+            if not skip_bad:
+                raise LadleError(f"{error} (or pass --skip-bad to soup the rest)") from None
+            log.warning("skipping %s: %s", name, error)
+            bundle.skipped[name] = str(error)
+            continue
+        bundle.names.append(name)
+        bundle.states.append(state)
+        bundle.metas.append(meta)
+    if not bundle.states:
+        raise LadleError(f"no finished ingredient in {run_dir} (missing: {', '.join(bundle.missing) or 'none'}"
+                         f"{', skipped: ' + ', '.join(bundle.skipped) if bundle.skipped else ''})")
+    if bundle.missing:
+        log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(bundle.states),
+                    run["ingredients"], ", ".join(bundle.missing))
+    return bundle

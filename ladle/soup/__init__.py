@@ -1,0 +1,2 @@
+"""Souping a run: the pipeline, the soup methods and their registry, learned soups, the evaluator, the
+basin figures and the report. ``python -m ladle.soup`` is this package's command."""

@@ -1,0 +1,170 @@
+"""The soups' :class:`Evaluator` (scores a state dict on the validation split, exactly, at any size) and
+:class:`SoupResult`, what every soup method returns."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+from torch_geometric.utils import k_hop_subgraph
+
+from ladle.core.recipe import Recipe
+from ladle.core.storage import StateDict
+from ladle.graph.inputs import GraphInputs, adjacency, use_sparse_features
+from ladle.graph.sparse import SparseMatrix, select
+from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.models import GNN, build_model
+from ladle.nn.scoring import Metrics, metrics, recompute_batch_norm
+from ladle.nn.target_nodes import TargetInference, sample_targets, supports
+
+Scorer = Callable[[StateDict], "Metrics"]
+
+
+@dataclass
+class SoupResult:
+    """A merged model and how it was chosen (``method``: set by the registry, :class:`ladle.soup.methods.SoupMethod`)."""
+
+    state: StateDict
+    evaluations: int
+    kept: list[int] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)
+    curves: list[list[tuple[float, float, float]]] = field(default_factory=list)  # (alpha, acc, loss) per step
+    seconds: float = 0.0
+    method: str = ""
+
+    def report_fields(self) -> dict[str, Any]:
+        """Method-specific entries of the soup's report row (none here; subclasses add theirs)."""
+        return {}
+
+
+LAYERWISE_NODES = 100_000  # from this many nodes the soups score validation layer-wise on the whole graph
+
+
+VALIDATION_SAMPLE = 20_000  # at that scale, candidates are scored on at most this many validation nodes
+
+
+class Evaluator:
+    """Scores weights of one architecture on a graph's splits, cheaply.
+
+    Whole splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at
+    scale. Validation, on small graphs, needs only the L-hop neighbourhood of the validation nodes: that
+    sub-graph (with the full graph's normalisation) is built once and every candidate is scored on it,
+    exactly. With ``layerwise`` (default: from :data:`LAYERWISE_NODES` nodes on, where that neighbourhood
+    is most of the graph) validation is layer-wise too, no whole-graph adjacency is ever built, and
+    batch-norm statistics are re-estimated on the training nodes layer by layer
+    (:meth:`~ladle.inference.LayerwiseInference.logits`). There, GCN and SAGE candidates are scored on a
+    fixed seeded sample of at most :data:`VALIDATION_SAMPLE` validation nodes (all of them when fewer), by
+    :class:`~ladle.targets.TargetInference` (exact logits of those nodes, the first aggregation computed
+    once); :meth:`validation_nodes` says how many. Report rows are always scored on whole splits.
+    The neighbourhoods are built on first use. ``inference``: the graph's layer-wise inference when the
+    caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``.
+    """
+
+    def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None,
+                 inference: LayerwiseInference | None = None) -> None:
+        self.recipe, self.data = recipe, data
+        self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
+        self.sparse_features = use_sparse_features(data.x, recipe.model)
+        self.layerwise = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
+        self._inference = inference
+        self.train_nodes = data.train_mask.nonzero().view(-1)
+
+    @cached_property
+    def inference(self) -> LayerwiseInference:
+        """Layer-wise whole-graph inference (from ``data.edge_index`` unless given)."""
+        return self._inference or LayerwiseInference.from_data(self.data)
+
+    @cached_property
+    def val_targets(self) -> TargetInference:
+        """Exact logits of the (sampled) validation nodes for any GCN/SAGE weights (layer-wise mode)."""
+        targets = sample_targets(self.data.val_mask, VALIDATION_SAMPLE, self.recipe.seed)
+        return TargetInference(self.inference, targets, self.recipe.layers)
+
+    def validation_nodes(self, recompute_bn: bool = True) -> tuple[int, int]:
+        """How many validation nodes :meth:`validation` scores candidates on, of how many."""
+        total = int(self.data.val_mask.sum())
+        if self._samples(recompute_bn):
+            return min(total, VALIDATION_SAMPLE), total
+        return total, total
+
+    def _samples(self, recompute_bn: bool) -> bool:
+        return self.layerwise and supports(self.model) and not self._recomputes(recompute_bn)
+
+    @cached_property
+    def full_adj(self) -> Tensor | SparseMatrix:
+        """The whole graph's normalised adjacency (for the neighbourhoods' exact normalisation)."""
+        return adjacency(self.data.edge_index, self.data.num_nodes, self.recipe.model)
+
+    @cached_property
+    def val(self) -> tuple[GraphInputs, Tensor, Tensor]:
+        """The validation neighbourhood: inputs, labels of the validation nodes, where they are in it."""
+        return self._neighbourhood(self.data.val_mask)
+
+    @cached_property
+    def train_hood(self) -> tuple[GraphInputs, Tensor, Tensor]:
+        """The training neighbourhood, where batch-norm statistics are re-estimated."""
+        return self._neighbourhood(self.data.train_mask)
+
+    def _neighbourhood(self, mask: Tensor) -> tuple[GraphInputs, Tensor, Tensor]:
+        """Inputs of the L-hop sub-graph around ``mask``'s nodes, their labels, and where they are."""
+        seeds = mask.nonzero().view(-1)
+        nodes, edge_index, mapping, _ = k_hop_subgraph(seeds, self.recipe.layers, self.data.edge_index,
+                                                       relabel_nodes=True, num_nodes=self.data.num_nodes)
+        x = self.data.x[nodes]
+        features = SparseMatrix.from_dense(x) if self.sparse_features else x
+        adj = edge_index if isinstance(self.full_adj, Tensor) else select(self.full_adj, nodes)
+        return GraphInputs(features, adj, nodes.numel()), self.data.y[seeds], mapping
+
+    def _recomputes(self, recompute_bn: bool) -> bool:
+        return recompute_bn and self.model.has_batch_norm()
+
+    @torch.no_grad()
+    def full_logits(self, state: StateDict, recompute_bn: bool = True) -> Tensor:
+        """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
+        if self.layerwise:
+            self.model.load_state_dict(state)
+            bn_nodes = self.train_nodes if self._recomputes(recompute_bn) else None
+            return self.inference.logits(self.model, bn_nodes)
+        return self.inference.logits(self.load(state, recompute_bn))
+
+    def load(self, state: StateDict, recompute_bn: bool = True) -> GNN:
+        """The model holding ``state``; batch-norm statistics recomputed on the training nodes."""
+        self.model.load_state_dict(state)
+        if self._recomputes(recompute_bn):
+            if self.layerwise:
+                self.inference.logits(self.model, self.train_nodes)
+            else:
+                recompute_batch_norm(self.model, self.train_hood[0])
+        return self.model
+
+    @torch.no_grad()
+    def logits(self, state: StateDict, inputs: GraphInputs, recompute_bn: bool = True) -> Tensor:
+        model = self.load(state, recompute_bn)
+        model.eval()
+        return model(inputs)
+
+    def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
+        """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise: on the
+        sampled validation nodes for GCN/SAGE without batch norm to recompute, else on all of them)."""
+        if self._samples(recompute_bn):
+            self.model.load_state_dict(state)
+            return metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
+        if self.layerwise:
+            return self.split(state, "val_mask", recompute_bn)
+        inputs, y, where = self.val
+        return metrics(self.logits(state, inputs, recompute_bn)[where], y)
+
+    def split(self, state: StateDict, mask_name: str, recompute_bn: bool = True) -> Metrics:
+        """Accuracy and loss of ``state`` on a whole split of the full graph."""
+        mask = self.data[mask_name]
+        return metrics(self.full_logits(state, recompute_bn)[mask], self.data.y[mask])
+
+    def split_metrics(self, logits: Tensor) -> dict[str, float]:
+        """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures)."""
+        val = metrics(logits[self.data.val_mask], self.data.y[self.data.val_mask])
+        test = metrics(logits[self.data.test_mask], self.data.y[self.data.test_mask])
+        return {"val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc}

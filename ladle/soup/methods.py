@@ -1,0 +1,210 @@
+"""Soup methods: a few lines over state dicts each, with the decision rule in the docstring, and the
+registry :data:`SOUPS` from method name to the function that makes that soup.
+
+Uniform (mean of all), greedy (Wortsman et al. 2022) and greedy interpolation (Graph Ladling) are
+here; when the ingredients branched from a trunk, greedy and greedy interpolation start from the
+trunk (uniform averages the ingredients alone). :mod:`ladle.soup.learned` registers the learned soups.
+A new method is one function and one :func:`register` line with its traits; its name is written there
+only; ``all`` is every method registered with ``in_all``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.core.errors import LadleError
+from ladle.core.storage import StateDict
+from ladle.core.weights import average, interpolate
+from ladle.nn.scoring import Metrics
+from ladle.soup.evaluator import Evaluator, Scorer, SoupResult
+
+
+def uniform_soup(states: Sequence[StateDict]) -> StateDict:
+    """The mean of all ingredients: no decision, no evaluation."""
+    return average(states)
+
+
+def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str) -> SoupResult:
+    """Wortsman et al.: walk ingredients in ``order`` (best-first); add one to the running mean only if the
+    validation score (``metric``) does not drop (a tie is accepted: with ``acc``, the default, this is
+    the paper's rule). Starts from the first."""
+    kept = [order[0]]
+    best = score(states[order[0]]).key(metric)
+    evaluations = 1
+    for i in order[1:]:
+        candidate = score(average([states[j] for j in kept + [i]]))
+        evaluations += 1
+        if candidate.key(metric) >= best:
+            kept.append(i)
+            best = candidate.key(metric)
+    return SoupResult(average([states[j] for j in kept]), evaluations, kept)
+
+
+def alpha_grid(points: int) -> list[float]:
+    """``points`` evenly spaced values of alpha in [0, 1], both ends included."""
+    return [i / (points - 1) for i in range(points)]
+
+
+def search_alpha(soup: StateDict, ingredient: StateDict, score: Scorer, metric: str, grid: int,
+                 fast: bool) -> tuple[float, list[tuple[float, Metrics]]]:
+    """Best alpha for ``alpha * soup + (1 - alpha) * ingredient``; ties go to the larger alpha.
+
+    ``grid``: every point of an even grid. ``fast``: a 5-point coarse grid, then halving steps around
+    the best point until the step is finer than the grid's, 2 evaluations a step.
+    """
+    tried: dict[float, Metrics] = {}
+
+    def measure(alpha: float) -> None:
+        alpha = round(min(1.0, max(0.0, alpha)), 6)
+        if alpha not in tried:
+            tried[alpha] = score(interpolate(soup, ingredient, alpha))
+
+    def best() -> float:
+        return max(tried, key=lambda a: (tried[a].key(metric), a))
+
+    if not fast:
+        for alpha in alpha_grid(grid):
+            measure(alpha)
+        return best(), sorted(tried.items())
+    for alpha in alpha_grid(5):
+        measure(alpha)
+    step, target = 0.25, 1.0 / (grid - 1)
+    while step > target:
+        step /= 2
+        centre = best()
+        measure(centre - step)
+        measure(centre + step)
+    return best(), sorted(tried.items())
+
+
+def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str,
+                              grid: int = 21, fast: bool = False) -> SoupResult:
+    """Graph Ladling's GIS: start from the first in ``order`` (the best); for each next one keep
+    ``alpha * soup + (1 - alpha) * ingredient`` with the alpha of best validation score. alpha = 1
+    (keep the soup) is always a candidate, so the validation score never drops. ``kept``: the
+    ingredients the soup contains (a step with alpha = 0 discards those before it)."""
+    soup = states[order[0]]
+    evaluations, alphas, curves = 0, [], []
+    weights = {order[0]: 1.0}  # each ingredient's share of the soup
+    for i in order[1:]:
+        alpha, tried = search_alpha(soup, states[i], score, metric, grid, fast)
+        evaluations += len(tried)
+        alphas.append(alpha)
+        curves.append([(a, m.acc, m.loss) for a, m in tried])
+        soup = interpolate(soup, states[i], alpha)
+        weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
+    kept = [j for j, w in weights.items() if w > 0]
+    return SoupResult(soup, evaluations, kept, alphas, curves)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class SoupInputs:
+    """What a soup method may use: the ingredients, best-first order, the validation scorer and settings,
+    and the trunk the ingredients branched from (``None`` without one)."""
+
+    states: Sequence[StateDict]
+    order: Sequence[int]
+    score: Scorer
+    metric: str
+    grid: int
+    fast: bool
+    evaluator: Evaluator
+    seed: int
+    trunk: StateDict | None = None
+
+
+TRUNK_INDEX = -1  # how a soup's ``kept`` names the trunk
+
+
+def _trunk_first(inputs: SoupInputs, soup: Callable[[Sequence[StateDict], Sequence[int]], SoupResult]) -> SoupResult:
+    """Run a sequential soup with the trunk, when there is one, as its first candidate (then the
+    ingredients best-first), so a soup can only leave the trunk where validation says the branches help;
+    the trunk appears in ``kept`` as :data:`TRUNK_INDEX`."""
+    if inputs.trunk is None:
+        return soup(inputs.states, inputs.order)
+    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)])
+    result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
+    return result
+
+
+Planner = Callable[[int, int, bool], int]  # (candidates, grid points, fast search) -> validation scorings
+
+
+@dataclass(frozen=True)
+class SoupMethod:
+    """A registered soup method and its traits, read by the CLI, the pipeline and the report.
+
+    ``in_all``: part of ``--method all``. ``inference_only``: scores candidates by whole-graph inference
+    alone (no validation neighbourhood built), so it runs on a graph scored layer-wise. ``layerwise``: it
+    never builds the validation neighbourhood (for graphs where that does not fit). ``fitted``: its
+    weights are fitted on validation nodes, so a validation figure does not choose it as the best soup.
+    ``scorings``: validation scorings it plans, for the progress bar (0 when it scores none here).
+    """
+
+    name: str
+    make: Callable[[SoupInputs], SoupResult]
+    in_all: bool = True
+    inference_only: bool = False
+    layerwise: bool = False
+    fitted: bool = False
+    scorings: Planner = lambda candidates, grid, fast: 0
+
+    def __call__(self, inputs: SoupInputs) -> SoupResult:
+        result = self.make(inputs)
+        result.method = self.name
+        return result
+
+
+SOUPS: dict[str, SoupMethod] = {}  # every method by name, in registration order
+ALL_METHODS = "all"  # the --method value that runs every method registered with in_all
+
+
+def register(name: str, **traits: Any) -> Callable[[Callable[[SoupInputs], SoupResult]], SoupMethod]:
+    """Register a soup method under ``name`` with its traits (see :class:`SoupMethod`)."""
+    def add(make: Callable[[SoupInputs], SoupResult]) -> SoupMethod:
+        SOUPS[name] = SoupMethod(name, make, **traits)
+        return SOUPS[name]
+    return add
+
+
+def method_names() -> list[str]:
+    """What ``--method`` and ``soup.method`` accept."""
+    return [*SOUPS, ALL_METHODS]
+
+
+def chosen_methods(method: str) -> list[SoupMethod]:
+    """The methods ``method`` names (``all``: every one registered with ``in_all``); an unknown name is refused."""
+    if method == ALL_METHODS:
+        return [soup for soup in SOUPS.values() if soup.in_all]
+    if method not in SOUPS:
+        raise LadleError(f"unknown soup method {method!r} (one of: {', '.join(method_names())})")
+    return [SOUPS[method]]
+
+
+def alpha_searches(grid: int, fast: bool) -> int:
+    """Scorings of one alpha search: ``grid`` points, or the fast search's 5 points and 2 per halving of the step."""
+    halvings, step = 0, 0.25
+    while step > 1.0 / (grid - 1):
+        step, halvings = step / 2, halvings + 1
+    return 5 + 2 * halvings if fast else grid
+
+
+@register("uniform", inference_only=True)
+def _uniform(inputs: SoupInputs) -> SoupResult:
+    return SoupResult(uniform_soup(inputs.states), 0, list(range(len(inputs.states))))
+
+
+@register("greedy", inference_only=True, scorings=lambda candidates, grid, fast: candidates)
+def _greedy(inputs: SoupInputs) -> SoupResult:
+    return _trunk_first(inputs, lambda states, order: greedy_soup(states, order, inputs.score, inputs.metric))
+
+
+@register("gis", inference_only=True,
+          scorings=lambda candidates, grid, fast: (candidates - 1) * alpha_searches(grid, fast))
+def _gis(inputs: SoupInputs) -> SoupResult:
+    return _trunk_first(inputs, lambda states, order: greedy_interpolation_soup(
+        states, order, inputs.score, inputs.metric, inputs.grid, inputs.fast))

@@ -1,0 +1,209 @@
+"""``python -m ladle.soup``: merge the ingredients of a run into one model with each chosen method.
+
+The methods are :data:`ladle.soups.SOUPS` (uniform, greedy, gis, and the learned soups of
+:mod:`ladle.learned`). Candidates are scored on the validation split only; test accuracy is reported,
+never used.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+from torch_geometric.data import Data
+from tqdm import tqdm
+
+import ladle.soup.learned  # noqa: F401  (registers the learned soups in SOUPS)
+from ladle.core.errors import LadleError
+from ladle.core.recipe import SOUP_METRICS, Recipe, recipe_from_dict
+from ladle.core.rundir import (
+    AVERAGED,
+    BASELINE,
+    TRUNK,
+    RunDir,
+    check_free,
+    lock_run_dir,
+    resolve_run_dir,
+    soup_name,
+)
+from ladle.core.storage import StateDict, load_state, read_json, save_state, write_json
+from ladle.graph.datasets import load_dataset
+from ladle.graph.shards import ShardSet, load_shard, shard_inputs
+from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.saved import Ingredients, load_ingredients
+from ladle.nn.scoring import Metrics
+from ladle.nn.target_nodes import accuracy_stderr
+from ladle.soup.basin import barrier, ingredient_distances
+from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, SoupResult
+from ladle.soup.methods import TRUNK_INDEX, SoupInputs, SoupMethod, chosen_methods
+from ladle.soup.report import write_report
+
+log = logging.getLogger(__name__)
+
+def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid: int | None = None,
+             search: str | None = None, metric: str | None = None, recompute_bn: bool | None = None,
+             skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True) -> dict[str, Any]:
+    """Soup a run's ingredients with the chosen methods and write the soups and the report.
+
+    Unset options come from the run's recipe (section ``soup``). Returns the report as a dict.
+    This is the library call behind ``python -m ladle.soup``.
+    """
+    files = RunDir(resolve_run_dir(run_dir))
+    if write:
+        check_free(files.path)  # before the work; the write phase takes the lock
+    run = read_json(files.run_json)
+    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
+    recipe = recipe_from_dict(run["recipe"])
+    options = recipe.soup
+    method = method or options.method
+    grid = grid or options.grid
+    fast = (search or options.search) == "fast"
+    metric = metric or options.metric
+    if metric not in SOUP_METRICS:
+        raise LadleError(f"--metric must be one of {', '.join(SOUP_METRICS)}")
+    recompute = options.recompute_bn if recompute_bn is None else recompute_bn
+    methods = chosen_methods(method)
+    data, inference = _graph(files, recipe, data_root, methods)
+    if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
+        raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
+    # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
+    evaluator = Evaluator(recipe, data, layerwise=True if any(m.layerwise for m in methods) else None,
+                          inference=inference)
+    trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
+    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
+               unit="candidate", dynamic_ncols=True, disable=None)
+
+    def score(state: StateDict) -> Metrics:
+        bar.update(1)
+        return evaluator.validation(state, recompute)
+
+    start = time.perf_counter()
+    ingredient_val = [score(s) for s in bundle.states]
+    rows, logit_sum = [], None  # one whole-graph pass per ingredient: its test accuracy, and the ensemble's sum
+    for name, state, val in zip(bundle.names, bundle.states, ingredient_val):
+        logits = evaluator.full_logits(state, recompute)
+        logit_sum = logits.clone() if logit_sum is None else logit_sum.add_(logits)
+        rows.append({"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
+                     "test_acc": evaluator.split_metrics(logits)["test_acc"]})
+    order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
+    setup_seconds = time.perf_counter() - start
+
+    inputs = SoupInputs(bundle.states, order, score, metric, grid, fast, evaluator, recipe.seed, trunk)
+    soups: list[SoupResult] = []
+    for soup_method in methods:
+        began = time.perf_counter()
+        result = soup_method(inputs)
+        result.seconds = time.perf_counter() - began
+        soups.append(result)
+    bar.total = bar.n  # the fast alpha search may skip points it already scored
+    bar.close()
+
+    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, recompute)
+    settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
+    soup_rows = [_soup_row(result, evaluator, recompute, bundle.names, settings) for result in soups]
+    basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
+                   trunk if trunk is not None else load_state(files.init), "trunk" if trunk is not None else "init")
+    report = {
+        "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
+        "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
+        "references": references,
+        "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
+        "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
+                            "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
+        "validation": _validation(evaluator, rows, recompute),
+        "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
+        "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
+        "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
+        "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
+        "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
+                  for m in bundle.metas],
+    }
+    if write:
+        with lock_run_dir(files.path, "ladle.soup"):  # the write phase: soups, then the report
+            for result, row in zip(soups, soup_rows):
+                save_state(files.weights(row["name"]), result.state)
+                write_json(files.meta(row["name"]), {k: v for k, v in row.items() if k != "curves"}
+                           | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
+            write_report(files.path, report)
+    return report
+
+
+def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None,
+           methods: list[SoupMethod]) -> tuple[Data, LayerwiseInference | None]:
+    """The run's graph: its whole-graph shard, memory-mapped with its CSR (no second load of the dataset),
+    when the run's shards are still there and match the dataset's files; else the dataset, loaded. On a
+    graph scored layer-wise, by soups that need no neighbourhood, no ``edge_index`` is built."""
+    try:
+        shards = ShardSet.open(files.shards)
+        usable = shards.complete() and shards.meta["inputs"] == shard_inputs(
+            recipe, shards.meta["inputs"]["ingredients"], data_root)
+    except (LadleError, OSError, KeyError, TypeError):
+        usable = False
+    if not usable:
+        log.info("the run's shards are gone or stale; loading %s", recipe.dataset)
+        return load_dataset(recipe.dataset, data_root, recipe.split, recipe.features), None
+    csr_only = shards.meta["graph"]["num_nodes"] >= LAYERWISE_NODES and all(m.inference_only for m in methods)
+    shard = load_shard(shards.graph(), edge_index=not csr_only)
+    return shard.data, LayerwiseInference.from_shard(shard)
+
+
+def _validation(evaluator: Evaluator, rows: list[dict[str, Any]], recompute: bool) -> dict[str, Any]:
+    """How candidates were scored: on how many validation nodes of how many, and, when sampled, the standard
+    error of an accuracy there (at the best ingredient's whole-split accuracy)."""
+    used, total = evaluator.validation_nodes(recompute)
+    best = max(row["val_acc"] for row in rows)
+    return {"nodes": used, "of": total, "stderr": accuracy_stderr(best, used) if used < total else 0.0}
+
+
+def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fast: bool, trunk: bool = False) -> int:
+    """Validation scorings of the K ingredients, then of each method's candidates (at most, for the fast
+    alpha search) over the K ingredients and the trunk first when the run has one."""
+    candidates = ingredients + int(trunk)
+    return ingredients + sum(m.scorings(candidates, grid, fast) for m in methods)
+
+
+def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: list[str],
+              settings: dict[str, Any]) -> dict[str, Any]:
+    """A soup's report row, scored on whole splits; its batch-norm statistics recomputed first (in place)."""
+    logits = evaluator.full_logits(result.state, recompute)  # one pass; batch-norm statistics recomputed first
+    if recompute and evaluator.model.has_batch_norm():
+        result.state = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
+    return {"name": soup_name(result.method), "kind": "soup", "method": result.method,
+            **evaluator.split_metrics(logits), "evaluations": result.evaluations,
+            "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas,
+            "curves": result.curves,
+            "seconds": result.seconds, **settings, **result.report_fields()}
+
+
+def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], start: StateDict,
+           start_name: str) -> dict[str, Any]:
+    """Whether the ingredients sit in one basin: the barrier (:func:`ladle.basin.barrier`, validation points)
+    of every greedy-interpolation step, and each ingredient's distance from the weights it started from
+    (``start_name``: the trunk or the shared init) and from the soup (the first with interpolation curves, else the first soup made)."""
+    interpolated = next((result for result in soups if result.curves), None)
+    steps = [] if interpolated is None else [
+        {"ingredient": name, "alpha": alpha, "barrier": barrier([a for a, _, _ in curve], [acc for _, acc, _ in curve])}
+        for name, alpha, curve in zip(step_names, interpolated.alphas, interpolated.curves)]
+    soup = interpolated or soups[0]
+    distances = ingredient_distances(start, soup.state, bundle.states)
+    return {"start": start_name, "soup": soup_name(soup.method), "steps": steps,
+            "max_barrier": max((step["barrier"] for step in steps), default=0.0),
+            "distances": [{"name": name, f"from_{start_name}": d["from_init"], "from_soup": d["from_soup"]}
+                          for name, d in zip(bundle.names, distances)]}
+
+
+def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evaluator: Evaluator,
+                recompute: bool) -> list[dict[str, Any]]:
+    """What the soups are compared with, not soups themselves: the logit ensemble (``ensemble``: the
+    ingredients' mean logits), and the run's trunk, periodically averaged model and full-graph baseline
+    when it has them."""
+    references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(ensemble)}]
+    models = {TRUNK: trunk} | {name: load_state(files.weights(name)) for name in (AVERAGED, BASELINE)
+                               if files.weights(name).exists()}
+    for name, state in models.items():
+        if state is not None:
+            logits = evaluator.full_logits(state, recompute)
+            references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits)})
+    return references

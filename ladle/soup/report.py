@@ -1,0 +1,190 @@
+"""Reports of a run: the soup's plain-text table, JSON, Markdown and plots, and the varrate table and
+plot of test accuracy against bytes sent. Plots use matplotlib's ``Figure`` (never pyplot), so no
+process-wide backend is switched; without matplotlib only the text is written."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ladle.core.rundir import RunDir
+from ladle.core.storage import atomic_open, save_figure, write_json
+
+log = logging.getLogger(__name__)
+
+BASIN_POINTS = 1.0  # a larger barrier (validation points) means the ingredients are not in one basin
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
+    """(name, val acc, test acc, note) for ingredients, summaries, soups and references."""
+    rows: list[tuple[str, float, float, str]] = [
+        (r["name"], r["val_acc"], r["test_acc"], "") for r in report["ingredients"]
+    ]
+    best, mean = report["best_ingredient"], report["mean_ingredient"]
+    rows.append(("best ingredient", best["val_acc"], best["test_acc"], best["name"]))
+    rows.append(("mean ingredient", mean["val_acc"], mean["test_acc"], ""))
+    for soup in report["soups"]:
+        note = f"{soup['evaluations']} evals, kept {len(soup['kept'])}"
+        if soup["alphas"]:
+            note += ", alphas " + " ".join(f"{a:.2f}" for a in soup["alphas"])
+        rows.append((soup["name"], soup["val_acc"], soup["test_acc"], note))
+    for ref in report["references"]:
+        rows.append((f"{ref['name']} (ref)", ref["val_acc"], ref["test_acc"], "not a soup"))
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as an aligned plain-text table."""
+    lines = [f"{'model':<20}{'val':>8}{'test':>8}  note"]
+    lines += [f"{name:<20}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
+    if report.get("missing"):
+        lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
+    lines += [f"skipped (--skip-bad): {name}: {why}" for name, why in report.get("skipped", {}).items()]
+    if report.get("basin"):
+        lines.append(basin_line(report["basin"]))
+    lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
+    if validation_line(report):
+        lines.append(validation_line(report))
+    return "\n".join(lines)
+
+
+def validation_line(report: dict[str, Any]) -> str:
+    """Where candidates were scored, when it was a sample of the validation split (else empty)."""
+    validation = report.get("validation") or {}
+    if validation.get("nodes", 0) >= validation.get("of", 0):
+        return ""
+    return (f"candidates scored on a fixed sample of {validation['nodes']:,} of {validation['of']:,} validation "
+            f"nodes (standard error of an accuracy there: {100 * validation['stderr']:.2f} points); "
+            "the table's val column is the whole split")
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: settings, the table, and each ingredient's view."""
+    lines = [
+        f"# Soup report: {report['dataset']} / {report['model']} / view {report['view']}",
+        "",
+        f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
+        f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
+        *([validation_line(report)] if validation_line(report) else []),
+        "",
+        "| model | val acc | test acc | note |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {name} | {val:.4f} | {test:.4f} | {note} |" for name, val, test, note in table_rows(report)]
+    if report.get("missing"):
+        lines += ["", f"Missing or unfinished ingredients: {', '.join(report['missing'])}"]
+    if report.get("skipped"):
+        lines += ["", "Skipped by `--skip-bad`:", ""]
+        lines += [f"- {name}: {why}" for name, why in report["skipped"].items()]
+    if report.get("trunk"):
+        trunk = report["trunk"]
+        lines += ["", f"Trunk: view {trunk['view']['kind']}, {trunk['epochs_run']} epochs (kept {trunk['keep']}, "
+                  f"best epoch {trunk['best_epoch']}), {trunk['train_seconds']:.1f} s, peak RSS "
+                  f"{trunk['peak_rss_mb']:.0f} MB in its worker."]
+    lines += soup_comparison(report)
+    if report.get("basin"):
+        lines += basin_section(report["basin"])
+    lines += ["", "## Views", "", "| ingredient | nodes | train nodes | label histogram | kept weights |",
+              "|---|---|---|---|---|"]
+    keeps = {row["name"]: row for row in report.get("keeps", [])}
+    for row, view in zip(report["ingredients"], report["views"]):
+        histogram = view.get("label_histogram", [])
+        keep = keeps.get(row["name"], {})
+        lines.append(f"| {row['name']} | {view.get('nodes', '')} | {view.get('train_nodes', '')} | "
+                     f"{' '.join(str(c) for c in histogram)} | {keep.get('keep', '')} |")
+    lines += [f"- {row['name']}: {row['reason']}" for row in report.get("keeps", []) if row["reason"]]
+    return "\n".join(lines) + "\n"
+
+
+def soup_comparison(report: dict[str, Any]) -> list[str]:
+    """Markdown: every soup's test accuracy beside the mean and best-validation ingredient, the trunk and
+    the logit ensemble (what a soup has to beat to be worth making)."""
+    references = {ref["name"]: ref["test_acc"] for ref in report["references"]}
+    trunk = references.get("trunk")
+    lines = ["", "## Soups beside their ingredients (test accuracy)", "",
+             "| soup | test | mean ingredient | best ingredient | trunk | ensemble |", "|---|---|---|---|---|---|"]
+    for soup in report["soups"]:
+        lines.append(f"| {soup['name']} | {soup['test_acc']:.4f} | {report['mean_ingredient']['test_acc']:.4f} | "
+                     f"{report['best_ingredient']['test_acc']:.4f} | "
+                     f"{'-' if trunk is None else format(trunk, '.4f')} | {references['ensemble']:.4f} |")
+    return lines
+
+
+def basin_line(basin: dict[str, Any]) -> str:
+    """One line: whether every interpolation step stays within 1 point of its chord (one basin)."""
+    if not basin["steps"]:
+        return "basin: no interpolation steps (one candidate, or no gis soup)"
+    worst = max(basin["steps"], key=lambda step: step["barrier"])
+    if worst["barrier"] > BASIN_POINTS:
+        return (f"ingredients are not in one basin: the validation curve toward {worst['ingredient']} sags "
+                f"{worst['barrier']:.1f} points below its chord (barrier > {BASIN_POINTS:g} point)")
+    return (f"one basin: every interpolation step's barrier is <= {BASIN_POINTS:g} point "
+            f"(largest {worst['barrier']:.1f})")
+
+
+def basin_section(basin: dict[str, Any]) -> list[str]:
+    """Markdown: the barrier of every greedy-interpolation step and each ingredient's distances."""
+    start = basin["start"]
+    lines = ["", "## Basin", "", basin_line(basin) + ".", "",
+             f"Barrier: how far validation accuracy (points) sags below the straight line between the soup so far "
+             f"and the next ingredient ({basin['soup']}).", "",
+             "| step | ingredient | alpha | barrier |", "|---|---|---|---|"]
+    lines += [f"| {i} | {step['ingredient']} | {step['alpha']:.2f} | {step['barrier']:.2f} |"
+              for i, step in enumerate(basin["steps"], start=1)]
+    lines += ["", f"| ingredient | distance from {start} | distance from {basin['soup']} |", "|---|---|---|"]
+    lines += [f"| {row['name']} | {row[f'from_{start}']:.3f} | {row['from_soup']:.3f} |" for row in basin["distances"]]
+    return lines
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+    """Write the report as JSON and Markdown and, when matplotlib is installed, the PNG plots."""
+    files = RunDir(run_dir)
+    write_json(files.report_json, report)
+    with atomic_open(files.report_md, "w") as stream:
+        stream.write(format_markdown(report))
+    return plot_report(run_dir, report)
+
+
+def plot_report(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+    """Test accuracy of ingredients vs soups vs references, and validation accuracy against alpha (gis)."""
+    try:
+        from matplotlib.figure import (
+            Figure,  # no pyplot: leaves a notebook's plotting backend alone
+        )
+    except ImportError:
+        log.info("matplotlib not installed: no plots (pip install 'ladle[plots]')")
+        return []
+    written = []
+    names, tests, colours = [], [], []
+    for name, _val, test, _note in table_rows(report):
+        names.append(name)
+        tests.append(test)
+        colours.append("tab:blue" if name.startswith("ingredient") else
+                       "tab:green" if name.startswith("soup") else "tab:gray")
+    figure = Figure(figsize=(max(6, 0.45 * len(names)), 4))
+    axis = figure.subplots()
+    axis.bar(range(len(names)), tests, color=colours)
+    axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+    low = min(tests)
+    axis.set_ylim(max(0.0, low - 0.05), min(1.0, max(tests) + 0.02))
+    axis.set_ylabel("test accuracy")
+    axis.set_title(f"{report['dataset']} / {report['model']} / {report['view']}")
+    figure.tight_layout()
+    written.append(save_figure(figure, RunDir(run_dir).accuracy_plot))
+    gis = [s for s in report["soups"] if s["curves"]]
+    if gis:
+        figure = Figure(figsize=(6, 4))
+        axis = figure.subplots()
+        for step, curve in enumerate(gis[0]["curves"], start=2):
+            alphas = [point[0] for point in curve]
+            accuracy = [point[1] for point in curve]
+            axis.plot(alphas, accuracy, marker=".", label=f"step {step}")
+        axis.set_xlabel("alpha (weight of the soup so far)")
+        axis.set_ylabel("validation accuracy")
+        axis.legend(fontsize=7, ncol=2)
+        figure.tight_layout()
+        written.append(save_figure(figure, RunDir(run_dir).alpha_plot))
+    return written
+
+
+# ---------------------------------------------------------------- varrate: accuracy against bytes

@@ -1,0 +1,108 @@
+"""``python -m ladle.train``: train K ingredients, each alone on its own view of the graph.
+
+The command line over :func:`ladle.launch.train_ingredients` (one ingredient's loop:
+:mod:`ladle.engine`; where ingredients run: :mod:`ladle.launch`, :mod:`ladle.ray_backend`) and, with
+``--average-every``, :func:`ladle.averaging.train_with_averaging`.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, add_recipe_arguments, recipe_from_args
+from ladle.core.rundir import (
+    AVERAGED,
+    RunDir,
+    averaging_run_dir,
+    check_free,
+    lock_run_dir,
+)
+from ladle.graph.datasets import load_dataset
+from ladle.train.curves import LOGGERS, check_loggers
+from ladle.train.launch import resume_run, train_ingredients
+from ladle.train.periodic import train_with_averaging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m ladle.train`` command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ladle.train",
+        description="Train K GNN ingredients, each in its own process with no communication.",
+        epilog="Any recipe key can be overridden as key=value, e.g. dataset=citeseer view.kind=metis epochs=50",
+    )
+    add_recipe_arguments(parser)
+    parser.add_argument("--ingredients", "-k", type=int, default=8, help="number of ingredients K (default 8)")
+    parser.add_argument("--workers", "-w", type=int, default=None,
+                        help="processes training at once (default: min(K, cores))")
+    parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/<recipe>-<time>)")
+    init = parser.add_mutually_exclusive_group()
+    init.add_argument("--shared-init", dest="init", action="store_const", const="shared",
+                      help="all ingredients start from the same weights (default; with trunk.epochs > 0: the trunk)")
+    init.add_argument("--independent-init", dest="init", action="store_const", const="independent",
+                      help="each ingredient draws its own initial weights")
+    parser.set_defaults(init="shared")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish an interrupted run (--run-dir, default checkpoints/latest); recipe flags are ignored")
+    parser.add_argument("--save-every", type=int, default=10, metavar="N",
+                        help="save the resumable training state every N epochs (default 10, 0: never)")
+    parser.add_argument("--average-every", type=int, metavar="T",
+                        help="instead of independent ingredients: K trainers whose weights are averaged every T "
+                             "epochs (periodic averaging, the one mode that communicates); writes averaged.*")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also train one full-graph model for trunk.epochs + epochs (the soup's reference)")
+    parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where to train")
+    parser.add_argument("--backend", default="local", choices=("local", "ray"),
+                        help="local worker processes (default) or a Ray cluster (pip install 'ladle[ray]')")
+    parser.add_argument("--address", help="Ray cluster address (auto, HOST:PORT); default: start a local one")
+    parser.add_argument("--cpus-per-ingredient", type=float, default=1.0, help="Ray: CPUs per ingredient task")
+    parser.add_argument("--gpus-per-ingredient", type=float, default=0.0, help="Ray: GPUs per ingredient task")
+    parser.add_argument("--gather", action="store_true",
+                        help="Ray: return weights to the driver and write them there (no shared storage needed)")
+    parser.add_argument("--log", action="append", default=[], choices=LOGGERS,
+                        help="also log the training curves to TensorBoard event files in the run directory "
+                             "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m ladle.train``."""
+    args = build_parser().parse_args(argv)
+    ray_options = {"address": args.address, "cpus": args.cpus_per_ingredient, "gpus": args.gpus_per_ingredient,
+                   "gather": args.gather}
+    if args.save_every < 0:
+        raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
+    check_loggers(args.log)
+    if args.resume:
+        run = resume_run(args.run_dir, args.workers, args.data_root, ray_options=ray_options)
+        print(run.summary_table())
+        print(f"run directory: {run.run_dir}")
+        return 0 if not run.failed else 1
+    recipe = recipe_from_args(args)
+    if args.average_every is not None:
+        return _train_averaged(recipe, args)
+    run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
+                            init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
+                            backend=args.backend, ray_options=ray_options, save_every=args.save_every,
+                            log=tuple(args.log))
+    print(run.summary_table())
+    print(f"run directory: {run.run_dir}")
+    return 0 if not run.failed else 1
+
+
+def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
+    """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
+    torch.set_num_threads(args.workers or torch.get_num_threads())
+    run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
+    check_free(run_dir)
+    data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with lock_run_dir(run_dir, "ladle.train --average-every"):
+        meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir, tuple(args.log))
+    print(f"averaged every {args.average_every} epochs, K={args.ingredients}: val {meta['val_acc']:.4f} "
+          f"test {meta['test_acc']:.4f}, {meta.get('bytes', 0) / 1e6:.1f} MB sent, {meta['seconds']:.1f} s")
+    print(f"written: {RunDir(run_dir).weights(AVERAGED)}")
+    return 0

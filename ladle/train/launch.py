@@ -1,0 +1,312 @@
+"""Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
+
+The launcher prepares the run's shards (once, cached: :mod:`ladle.shards`), the run directory and the
+shared initial weights, then hands out ingredient tasks. A worker memory-maps only what its task
+sees: the part shard of a ``metis``/``random`` ingredient, else the whole-graph shard (kept for the
+next task). Workers use ``cores / workers`` threads each and never talk to one another: no process
+group, no messages; each writes its own checkpoint and returns its metadata.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import datetime as dt
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch_geometric.data import Data
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, recipe_from_dict
+from ladle.core.resources import available_cores, resolve_device
+from ladle.core.rundir import (
+    BASELINE,
+    CHECKPOINTS,
+    TRUNK,
+    RunDir,
+    check_free,
+    check_same_run,
+    lock_run_dir,
+    new_run_dir,
+    resolve_run_dir,
+    update_latest,
+)
+from ladle.core.storage import read_json, save_state, write_json
+from ladle.graph.inputs import GraphInputs
+from ladle.graph.pyg_views import check_backend
+from ladle.graph.shards import ShardSet, load_shard, prepare_shards
+from ladle.nn.models import build_model
+from ladle.nn.saved import expected_shapes, verify_finished
+from ladle.soup.methods import chosen_methods
+from ladle.train.curves import check_loggers, merge_metrics
+from ladle.train.loop import train_ingredient
+from ladle.train.ray_tasks import import_ray, run_ray
+from ladle.train.task import (
+    IngredientTask,
+    check_ingredients,
+    ingredient_tasks,
+    trunk_task,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished run left: its folder and each ingredient's (and the trunk's, baseline's) metadata."""
+
+    run_dir: Path
+    ingredients: list[dict[str, Any]]
+    baseline: dict[str, Any] | None = None
+    failed: list[str] = field(default_factory=list)
+    trunk: dict[str, Any] | None = None
+
+    def summary_table(self) -> str:
+        """A plain-text table of the trunk, ingredients and baseline: val/test accuracy, epochs, time, memory."""
+        rows = [meta for meta in (self.trunk, *self.ingredients, self.baseline) if meta]
+        lines = [f"{'model':<15}{'view nodes':>11}{'epochs':>8}{'best':>6}{'val':>8}{'test':>8}{'sec':>8}{'RSS MB':>9}"]
+        for meta in rows:
+            lines.append(
+                f"{meta['name']:<15}{meta['view'].get('nodes', 0):>11}{meta['epochs_run']:>8}{meta['best_epoch']:>6}"
+                f"{meta['val_acc']:>8.4f}{meta['test_acc']:>8.4f}{meta['train_seconds']:>8.1f}{meta['peak_rss_mb']:>9.0f}"
+            )
+        lines.extend(f"{name:<15}FAILED" for name in self.failed)
+        return "\n".join(lines)
+
+
+class _Worker:
+    """Per-process state of a pool worker: the run's shards, and the whole-graph shard once a task needs it."""
+
+    def __init__(self, recipe: Recipe, shards: str, threads: int, slot: int, device: str) -> None:
+        torch.set_num_threads(threads)
+        if device == "cuda" and torch.cuda.device_count() > 1:
+            device = f"cuda:{slot % torch.cuda.device_count()}"  # local workers take GPUs round-robin
+        self.recipe, self.slot, self.device = recipe, slot, device
+        self.shards = ShardSet.open(Path(shards))
+        self._graph: tuple[Data, GraphInputs] | None = None
+
+    def graph(self) -> tuple[Data, GraphInputs]:
+        """The whole graph (memory-mapped) and its inputs, loaded on first use and kept."""
+        if self._graph is None:
+            shard = load_shard(self.shards.graph())
+            self._graph = shard.data, shard.inputs(self.recipe.model)
+        return self._graph
+
+    def run(self, task: IngredientTask) -> dict[str, Any]:
+        """Train ``task`` on its part shard alone (partition views) or on the whole graph."""
+        if task.k is not None and self.shards.partitioned:
+            shard = load_shard(self.shards.part(task.k))
+            return train_ingredient(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
+                                    self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
+        data, full_inputs = self.graph()
+        return train_ingredient(self.recipe, data, task, full_inputs, self.slot, self.device)
+
+
+_worker: _Worker | None = None  # one per worker process, set by the pool initialiser
+
+
+def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
+    global _worker
+    _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
+
+
+def _run_task(task: IngredientTask) -> dict[str, Any]:
+    assert _worker is not None, "worker not initialised"
+    return _worker.run(task)
+
+
+def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None = None,
+                      run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
+                      data_root: str | Path | None = None, device: str = "cpu",
+                      checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
+                      ray_options: dict[str, Any] | None = None, save_every: int = 10,
+                      threads: int | None = None, log: tuple[str, ...] = ()) -> RunResult:
+    """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
+
+    This is the library call behind ``python -m ladle.train``; it returns when all have finished.
+    ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
+    ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
+    ``threads``: torch threads per local worker (default: cores / workers).
+    ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.metrics`).
+    """
+    check_ingredients(ingredients)
+    log = tuple(log)
+    check_loggers(log)
+    check_backend(recipe.view)
+    chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
+    if init not in ("shared", "independent"):
+        raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
+    if init == "independent" and recipe.trunk.epochs:
+        raise LadleError("--independent-init contradicts trunk.epochs > 0: every ingredient starts from the trunk "
+                         "(drop the flag, or set trunk.epochs=0)")
+    workers = _check_backend(backend, workers, ingredients + int(baseline))
+    device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
+    data_root = None if data_root is None else str(data_root)
+
+    checkpoints_root = Path(checkpoints_root)
+    run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
+    definition = {"recipe": recipe.to_dict(), "ingredients": ingredients, "init": init, "baseline": baseline}
+    _check_creatable(run_path)  # before the (maybe long) preparation
+    check_free(run_path)
+    check_same_run(run_path, definition)
+    shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
+    try:
+        run_path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create run directory {run_path}: {error.strerror} (choose another --run-dir)") from None
+    if not os.access(run_path, os.W_OK):
+        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
+
+    with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
+        check_same_run(run_path, definition)  # again, now that no one else can write it
+        files = RunDir(run_path)
+        graph = shards.meta["graph"]
+        torch.manual_seed(recipe.seed)
+        save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
+        partition = shards.partition()
+        if partition is not None:
+            save_state(files.partition, {"parts": partition})
+        shards.link(run_path)
+        run_meta = {
+            "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
+            "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
+            "log": list(log), "created": dt.datetime.now().isoformat(timespec="seconds"),
+            "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
+                        "features": graph["num_features"], "classes": graph["num_classes"]},
+            "shards": shards.meta["key"], "status": "running",
+        }
+        write_json(files.run_json, run_meta)
+        if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
+            update_latest(checkpoints_root, run_path)
+        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every, log)
+        return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
+
+
+def _check_creatable(run_path: Path) -> None:
+    """Refuse a run directory that cannot be created or written, without creating anything yet."""
+    existing = run_path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LadleError(f"cannot create run directory {run_path}: {existing} is not a directory "
+                         "(choose another --run-dir)")
+    if not os.access(existing, os.W_OK):
+        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
+
+
+def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
+               backend: str | None = None, ray_options: dict[str, Any] | None = None) -> RunResult:
+    """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
+    loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
+    (or from scratch), bitwise as if never stopped."""
+    run_path = resolve_run_dir(run_dir)
+    with lock_run_dir(run_path, "ladle.train --resume"):
+        run_meta = read_json(RunDir(run_path).run_json)
+        check_loggers(run_meta.get("log", ()))
+        recipe = recipe_from_dict(run_meta["recipe"])
+        backend = backend or run_meta.get("backend", "local")
+        tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
+        expected = expected_shapes(run_meta)  # a finished checkpoint that does not load is trained again
+        todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
+        log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
+        workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
+        data_root = None if data_root is None else str(data_root)
+        if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
+            prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
+        return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
+                        ray_options)
+
+
+def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:
+    """Every task of the run described by ``run_meta`` (its ``run.json``)."""
+    return ingredient_tasks(run_path, run_meta["ingredients"], run_meta["init"], bool(run_meta.get("baseline")),
+                            save_every, tuple(run_meta.get("log", ())))
+
+
+def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
+    if backend == "ray":
+        import_ray()  # fail before anything is written when Ray is missing
+    elif backend != "local":
+        raise LadleError(f"unknown backend {backend!r} (local or ray)")
+    workers = min(tasks, available_cores()) if workers is None else workers
+    if workers < 1:
+        raise LadleError(f"--workers must be >= 1, got {workers}")
+    return workers
+
+
+def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
+             data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
+             threads: int | None = None) -> RunResult:
+    files = RunDir(run_path)
+
+    def run(batch: list[IngredientTask], processes: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        if not batch:
+            return {}, {}
+        if backend == "local":
+            return run_local(batch, recipe, files.shards, processes, device,
+                             threads or max(1, available_cores() // workers))
+        return run_ray(batch, recipe, data_root, device, ray_options or {})
+
+    results, failed = {}, {}
+    if recipe.trunk.epochs and not files.finished(TRUNK):  # once, in one worker, before the branches
+        trunk = trunk_task(run_path, run_meta["ingredients"], int(run_meta.get("save_every", 10)),
+                           tuple(run_meta.get("log", ())))
+        results, failed = run([trunk], 1)
+        if failed:
+            log.error("the trunk failed, so no ingredient can branch from it")
+            tasks = [trunk]
+    if recipe.trunk.epochs and not failed:
+        run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
+    if not failed:
+        more, failed = run(tasks, workers)
+        results |= more
+    for task in tasks:
+        if task.name in failed:
+            write_json(files.meta(task.name),
+                       {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
+    metas = {task.name: read_json(files.meta(task.name))
+             for task in _run_tasks(run_path, run_meta) if files.finished(task.name)}
+    if files.finished(TRUNK):
+        metas[TRUNK] = read_json(files.meta(TRUNK))
+    metas.update(results)
+    run_meta["status"] = "failed" if failed else "done"
+    run_meta["failed"] = sorted(failed)
+    write_json(files.run_json, run_meta)
+    merge_metrics(run_path)
+    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK)]
+    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK))
+
+
+def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``run.json`` and the report say of the trunk: its view, epochs, accuracy, time and peak memory."""
+    return {key: meta[key] for key in ("view", "epochs_run", "best_epoch", "keep", "val_acc", "test_acc",
+                                       "train_seconds", "peak_rss_mb")}
+
+
+def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,
+              device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each, reading the run's
+    ``shards``; return (metadata by name, error by name of those that failed). A failing ingredient
+    does not stop the others."""
+    threads = threads or max(1, available_cores() // workers)
+    context = mp.get_context("spawn")
+    slots = context.Queue()
+    for slot in range(workers):
+        slots.put(slot)
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(recipe.to_dict(), str(shards), threads, slots, device)) as pool:
+        pending = {pool.submit(_run_task, task): task for task in tasks}
+        for future in futures.as_completed(pending):
+            task = pending[future]
+            try:
+                results[task.name] = future.result()
+            except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError) as error:
+                log.error("%s failed: %s", task.name, error)
+                failed[task.name] = f"{type(error).__name__}: {error}"
+    return results, failed

@@ -1,0 +1,329 @@
+"""The one-ingredient loop: what one worker does to train one model of a run, and the pieces it shares.
+
+One model is a plain full-batch / mini-batch loop (OGB-example style): Adam, cross-entropy on the
+view's training nodes, validation every epoch. A run's models are the ingredients, the full-graph
+baseline and, when the recipe has one, the trunk the ingredients branch from (:class:`Plan` says how
+each trains: epochs, learning rate and its schedule, and which weights it keeps: best validation with
+early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by
+periodic averaging and varrate), the last, or their mean over the second half). Every
+``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
+The launchers (:mod:`ladle.launch`, :mod:`ladle.ray_backend`) build the task list with
+:func:`ingredient_tasks` (and :func:`trunk_task`) and hand each task to :func:`train_ingredient`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch_geometric.data import Data
+from tqdm import tqdm
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe
+from ladle.core.resources import peak_rss_mb
+from ladle.core.rundir import TRUNK
+from ladle.core.seeds import worker_seed
+from ladle.core.storage import (
+    StateDict,
+    load_state,
+    load_state_and_metadata,
+    save_state,
+    write_json,
+)
+from ladle.core.weights import running_mean
+from ladle.graph.inputs import GraphInputs, graph_inputs
+from ladle.graph.pyg_views import with_backend
+from ladle.graph.views import IngredientView, build_view
+from ladle.nn.models import GNN, build_model
+from ladle.nn.scoring import Metrics, evaluate
+from ladle.train.curves import EpochLogger
+from ladle.train.task import IngredientTask
+
+log = logging.getLogger(__name__)
+
+
+# Below this many validation nodes in its view, a model does not select its best epoch: one node is
+# then more than 2 points of accuracy (Coauthor Physics' K=8 METIS parts hold about 19); it keeps its
+# last weights instead and its metadata says so ("keep", "keep_reason").
+MIN_SELECTION_NODES = 50
+
+
+@dataclass
+class BestEpoch:
+    """The best validation so far (accuracy, lower loss breaking ties; the earliest epoch wins a tie)
+    and the epochs since it last improved, for early stopping."""
+
+    best_acc: float = -1.0
+    best_neg_loss: float = 0.0
+    best_epoch: int = -1
+    stale: int = 0
+
+    @property
+    def best_key(self) -> tuple[float, float]:
+        return (self.best_acc, self.best_neg_loss)
+
+    def update(self, epoch: int, val: Metrics, elapsed: int = 1) -> bool:
+        """Record ``epoch``'s validation; True when it is the new best, else ``stale`` grows by ``elapsed``."""
+        if (val.acc, -val.loss) > self.best_key:
+            self.best_acc, self.best_neg_loss, self.best_epoch, self.stale = val.acc, -val.loss, epoch, 0
+            return True
+        self.stale += elapsed
+        return False
+
+    def exhausted(self, patience: int) -> bool:
+        """Whether ``patience`` epochs have passed without improvement."""
+        return self.stale >= patience
+
+
+def batch_loss(logits: Tensor, batch: Data) -> Tensor:
+    """Cross-entropy over the batch's loss nodes, GraphSAINT-weighted when the view gives weights."""
+    mask = batch.loss_mask
+    losses = F.cross_entropy(logits[mask], batch.y[mask], reduction="none")
+    weight = batch.get("loss_weight")
+    return (losses * weight[mask]).sum() if weight is not None else losses.mean()
+
+
+class BatchInputs:
+    """Model inputs of a view's batches: built once for static views (``whole`` itself when the batch is
+    that graph), every batch for sampled views."""
+
+    def __init__(self, view: IngredientView, whole: GraphInputs, model: str, device: torch.device | str) -> None:
+        self.view, self.whole, self.model, self.device = view, whole, model, device
+        self._static: GraphInputs | None = None
+
+    def __call__(self, batch: Data) -> GraphInputs:
+        if not self.view.static:
+            return graph_inputs(batch, self.model).to(self.device)
+        if self._static is None:
+            self._static = (self.whole if batch.num_nodes == self.whole.num_nodes
+                            else graph_inputs(batch, self.model).to(self.device))
+        return self._static
+
+
+def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> float:
+    """One epoch of Adam steps over ``view``'s batches; return the mean batch loss (NaN when no batch had
+    a loss node); a non-finite loss raises ``FloatingPointError``."""
+    model.train()
+    losses: list[float] = []
+    for batch in view.batches(epoch):
+        batch_input = inputs(batch)
+        if not bool(batch.loss_mask.any()):
+            continue
+        loss = batch_loss(model(batch_input), batch.to(device))
+        value = loss.item()  # one device sync a batch: the finiteness check and the epoch's mean loss
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{name}: loss became {value} at epoch {epoch}; "
+                                     "lower lr or check the features")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(value)
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one model trains: ``epochs``, Adam's ``lr`` (``constant`` or ``cos``: decayed to 0 along a
+    half cosine), and the weights it ``keep``s: ``best`` validation (early stopping after ``patience``),
+    ``last``, or ``swa`` (the running mean of the weights after each epoch of the second half)."""
+
+    epochs: int
+    lr: float
+    schedule: str
+    keep: str
+    patience: int
+
+    def lr_at(self, epoch: int) -> float:
+        """The learning rate of ``epoch`` (0-based)."""
+        if self.schedule == "cos":
+            return 0.5 * self.lr * (1.0 + math.cos(math.pi * epoch / self.epochs))
+        return self.lr
+
+    @property
+    def swa_start(self) -> int:
+        """The first epoch whose weights enter the ``swa`` mean."""
+        return self.epochs // 2
+
+
+def plan(recipe: Recipe, task: IngredientTask) -> Plan:
+    """The trunk trains ``trunk.*``; the baseline trains ``trunk.epochs + epochs`` at ``lr`` (the same total
+    epochs as a trunk and its branches), keeping its best; ingredients train ``epochs`` as ``branch.*`` says."""
+    if task.trunk:
+        return Plan(recipe.trunk.epochs, recipe.trunk.lr, "constant", recipe.trunk.keep, recipe.patience)
+    if task.k is None:
+        return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
+    return Plan(recipe.epochs, recipe.branch_lr, recipe.branch.schedule, recipe.branch.keep, recipe.patience)
+
+
+def initial_state(recipe: Recipe, task: IngredientTask) -> StateDict | None:
+    """The weights a task starts from: the trunk for ingredients of a recipe with one, else the shared init
+    (``None``: an independent init, drawn from the task's seed)."""
+    if recipe.trunk.epochs and task.k is not None:
+        return load_state(task.files.weights(TRUNK))
+    return load_state(task.files.init) if task.init == "shared" else None
+
+
+@dataclass
+class Progress(BestEpoch):
+    """Where a model's training stands; with the tensors, enough to resume bitwise-identically.
+    ``averaged``: epochs in the ``swa`` mean so far."""
+
+    next_epoch: int = 0
+    seconds: float = 0.0
+    averaged: int = 0
+
+
+def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
+                  progress: Progress) -> None:
+    """One atomic file: weights, kept weights (best or mean), optimiser state, RNG states (CPU, and every
+    GPU's when the model is on CUDA: dropout there draws from the GPU's generator), counters (header)."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    tensors |= {f"best.{k}": v for k, v in best_state.items()}
+    optim = optimizer.state_dict()
+    for index, slots in optim["state"].items():
+        tensors |= {f"optim.{index}.{name}": value for name, value in slots.items()}
+    tensors["rng"] = torch.get_rng_state()
+    if next(model.parameters()).is_cuda:
+        tensors |= {f"rng.cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())}
+    header = {"progress": json.dumps(asdict(progress)), "param_groups": json.dumps(optim["param_groups"])}
+    save_state(task.progress_path, tensors, header)
+
+
+def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
+    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, kept weights."""
+    tensors, header = load_state_and_metadata(task.progress_path)
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError:
+        raise LadleError(f"{task.progress_path} was written by another architecture; delete it to restart") from None
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
+    torch.set_rng_state(tensors["rng"])
+    cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states[:torch.cuda.device_count()])
+    best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
+    return Progress(**json.loads(header["progress"])), best_state
+
+
+def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
+                     progress_position: int = 0, device: torch.device | str = "cpu",
+                     part_view: IngredientView | None = None) -> dict[str, Any]:
+    """Train one model of a run as :func:`plan` says; write its kept weights and metadata; return that.
+
+    Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
+    this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
+    ``part_view``: the view of a part shard (:mod:`ladle.shards`), ``data`` being that part alone;
+    the val/test metrics in the JSON are then the part's own (``"metrics_on": "part"``).
+    """
+    start = time.perf_counter()
+    files = task.files
+    k = -2 if task.trunk else -1 if task.k is None else task.k
+    seed = worker_seed(recipe.seed, k)
+    schedule = plan(recipe, task)
+    if task.k is not None:
+        view_config = recipe.view
+    else:
+        view_config = recipe.trunk_view() if task.trunk else type(recipe.view)(kind="full")
+    if part_view is not None:
+        view = part_view
+    else:
+        partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
+        view = with_backend(build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
+                                       recipe.seed, partition))
+    torch.manual_seed(seed if task.init == "independent" else recipe.seed)
+    model = build_model(recipe, data.num_features, data.num_classes)
+    start_state = initial_state(recipe, task)
+    if start_state is not None:
+        model.load_state_dict(start_state)
+    torch.manual_seed(seed)
+    model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=recipe.weight_decay)
+    if task.progress_path.exists():
+        progress, kept = load_progress(task, model, optimizer)
+        log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
+    else:
+        progress, kept = Progress(), copy.deepcopy(model.state_dict())
+
+    if full_inputs is None:
+        full_inputs = graph_inputs(data, recipe.model)
+    full_inputs = full_inputs.to(device)
+    eval_graph = view.eval_graph()
+    eval_inputs = full_inputs if eval_graph.num_nodes == data.num_nodes else graph_inputs(
+        eval_graph, recipe.model).to(device)
+    batch_inputs = BatchInputs(view, eval_inputs, recipe.model, device)
+    keep, keep_reason = schedule.keep, ""
+    val_nodes = int(eval_graph.val_mask.sum())
+    if keep == "best" and val_nodes < MIN_SELECTION_NODES:
+        keep = "last"
+        keep_reason = (f"{val_nodes} validation nodes in its view (< {MIN_SELECTION_NODES}): too few to select an "
+                       "epoch on, kept the last weights")
+        log.warning("%s: %s", task.name, keep_reason)
+
+    bar = tqdm(total=schedule.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
+               leave=False, dynamic_ncols=True, disable=None)
+    role = "trunk" if task.trunk else "ingredient" if task.k is not None else "baseline"
+    curves = EpochLogger(files.path, task.name, role, task.log, progress.next_epoch)
+    for epoch in range(progress.next_epoch, schedule.epochs):
+        if keep == "best" and progress.exhausted(schedule.patience):
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr_at(epoch)
+        try:
+            train_loss = train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
+        except FloatingPointError:
+            bar.close()
+            curves.close()
+            raise
+        val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
+        curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
+                     seconds=progress.seconds + time.perf_counter() - start)
+        if progress.update(epoch, val) and keep == "best":
+            kept = copy.deepcopy(model.state_dict())
+        if keep == "swa" and epoch >= schedule.swa_start:
+            progress.averaged += 1
+            kept = running_mean(kept, model.state_dict(), progress.averaged)
+        progress.next_epoch = epoch + 1
+        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < schedule.epochs:
+            save_progress(task, model, optimizer, kept,
+                          replace(progress, seconds=progress.seconds + time.perf_counter() - start))
+        bar.update(1)
+        bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
+    bar.close()
+    curves.close()
+
+    if keep != "last":
+        model.load_state_dict(kept)
+    val = evaluate(model, full_inputs, data.y.to(device), data.val_mask.to(device))
+    test = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
+    save_state(files.weights(task.name), model.state_dict())
+    meta = {
+        "name": task.name, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
+        "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
+        "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
+        "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
+        "metrics_on": "graph" if part_view is None else "part",
+        "plan": asdict(schedule), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
+        "start": TRUNK if recipe.trunk.epochs and task.k is not None else task.init,
+        "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
+        "pid": os.getpid(), "threads": torch.get_num_threads(),
+        "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
+        "status": "done",
+    }
+    write_json(files.meta(task.name), meta)
+    task.progress_path.unlink(missing_ok=True)
+    return meta

@@ -1,0 +1,252 @@
+"""The Ray backend: each ingredient is one Ray task on a cluster (or on a local one started for the run).
+
+Tasks never talk to each other, exactly as on the local backend. A Ray worker process loads the
+dataset once and keeps it for the next ingredient it is given, uses ``--cpus-per-ingredient``
+threads, and calls :func:`ladle.engine.train_ingredient` like a local worker does, so the same seed
+gives bit-identical weights on both backends. (Not yet for ``view.kind=metis``/``cluster``: METIS draws
+from libc's process-wide ``rand()``, which Ray's own threads also call, so a partition computed inside
+a Ray worker can differ from run to run.)
+
+Where the weights go: by default each task writes its checkpoint into the run directory itself,
+which must then be on storage every node sees. With ``gather`` the task trains in a temporary folder
+of its own node and returns every file it wrote there (checkpoint, metadata, training curves); the
+driver writes them into the run directory (atomically).
+
+Failures: a crashed worker and a raising task are retried up to ``MAX_RETRIES`` times; a NaN loss
+(``FloatingPointError``) or bad input (``LadleError``) would fail the same way again, so it is
+reported as that ingredient's failure at once.
+
+Fault injection, for tests and for trying a cluster's recovery: ``LADLE_RAY_FAULT=MODE:NAME:DIR``
+on the driver makes the first attempt of ingredient ``NAME`` (e.g. ``ingredient-01``) fail, where
+``MODE`` is ``raise`` (a ``RuntimeError``) or ``exit`` (its worker process dies). The attempt leaves
+the marker file ``DIR/NAME.MODE``; later attempts see it and train normally. ``DIR`` must be
+visible to the workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch_geometric.data import Data
+from tqdm import tqdm
+
+from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe
+from ladle.core.resources import available_cores
+from ladle.core.rundir import TRUNK, RunDir
+from ladle.core.storage import atomic_open, write_json
+from ladle.graph.datasets import load_dataset
+from ladle.graph.inputs import GraphInputs, graph_inputs
+from ladle.train.loop import train_ingredient
+from ladle.train.task import IngredientTask
+
+log = logging.getLogger(__name__)
+
+MAX_RETRIES = 3  # attempts after the first, for a crashed worker or a raising task
+FAULT_ENV = "LADLE_RAY_FAULT"
+FAULT_MODES = ("raise", "exit")
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a one-line error naming the extra to install (a launcher may call it early)."""
+    try:
+        import ray
+    except ImportError:
+        raise LadleError("--backend ray needs Ray: pip install 'ladle[ray]'") from None
+    return ray
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_graph(dataset: str, split: int, features: str, data_root: str | None,
+                  model: str) -> tuple[Data, GraphInputs]:
+    """The dataset and its full-graph inputs, loaded once per Ray worker process (Ray reuses workers)."""
+    data = load_dataset(dataset, data_root, split, features)
+    return data, graph_inputs(data, model)
+
+
+def _parse_fault(spec: str | None) -> tuple[str, str, Path] | None:
+    """``MODE:NAME:DIR`` from ``LADLE_RAY_FAULT`` as (mode, ingredient name, marker folder)."""
+    if not spec:
+        return None
+    mode, _, rest = spec.partition(":")
+    name, _, folder = rest.partition(":")
+    if mode not in FAULT_MODES or not name or not folder:
+        raise LadleError(f"{FAULT_ENV}={spec!r}: expected MODE:NAME:DIR with MODE one of {', '.join(FAULT_MODES)}")
+    return mode, name, Path(folder)
+
+
+def _maybe_fault(fault: tuple[str, str, Path] | None, name: str) -> None:
+    """Fail this attempt if it is the first one of the ingredient named by the fault spec."""
+    if fault is None or fault[1] != name:
+        return
+    mode, _, folder = fault
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / f"{name}.{mode}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # an earlier attempt already failed
+    if mode == "exit":
+        os._exit(1)
+    raise RuntimeError(f"{name}: injected fault on the first attempt ({FAULT_ENV})")
+
+
+def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, device: str, threads: int,
+                init_bytes: bytes | None, trunk_bytes: bytes | None, gather: bool,
+                fault: tuple[str, str, Path] | None) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+    """Body of one Ray task: train ``task`` and return (metadata, when gathering the files it wrote by path
+    relative to the run directory; the shared init and the trunk then come as bytes too).
+
+    A ``FloatingPointError`` or ``LadleError`` (e.g. no dataset under ``data_root`` on this node) comes
+    back as ``{"error": ...}`` instead of raising, so Ray does not retry what would fail again; any other
+    exception raises and is retried.
+    """
+    _maybe_fault(fault, task.name)
+    torch.set_num_threads(threads)
+    try:
+        data, full_inputs = _worker_graph(recipe.dataset, recipe.split, recipe.features, data_root, recipe.model)
+        if not gather:
+            return train_ingredient(recipe, data, task, full_inputs, 0, device), None
+        with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
+            local = RunDir(Path(scratch))
+            if init_bytes is not None:
+                local.init.write_bytes(init_bytes)
+            if trunk_bytes is not None:
+                local.weights(TRUNK).write_bytes(trunk_bytes)
+            inputs = {local.init, local.weights(TRUNK)} if trunk_bytes is not None else {local.init}
+            meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
+            return meta, {str(path.relative_to(local.path)): path.read_bytes()
+                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
+    except (FloatingPointError, LadleError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}, None
+
+
+def _connect(ray: Any, address: str | None) -> bool:
+    """Join the cluster at ``address``, or start a local one; True when this call initialised Ray.
+
+    A Ray session the caller already opened is reused as it is.
+    """
+    if ray.is_initialized():
+        log.info("using the Ray session already open in this process")
+        return False
+    try:
+        if address is None:
+            cores = available_cores()
+            log.info("starting a local Ray cluster with %d CPUs", cores)
+            # "local": never join a cluster found via RAY_ADDRESS or a stale ray start; no dashboard for a throwaway one
+            ray.init(address="local", num_cpus=cores, include_dashboard=False)
+        else:
+            ray.init(address=address)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise LadleError(
+            f"cannot connect to the Ray cluster at {address}: {first} (is `ray start --head` running there? "
+            "a cluster with token auth needs RAY_AUTH_MODE=token and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+        ) from None
+    return True
+
+
+def _check_resources(ray: Any, cpus: float, gpus: float) -> None:
+    """Refuse a per-ingredient request the whole cluster cannot meet (its tasks would wait forever)."""
+    total = ray.cluster_resources()
+    for flag, want, have in (("--cpus-per-ingredient", cpus, total.get("CPU", 0.0)),
+                             ("--gpus-per-ingredient", gpus, total.get("GPU", 0.0))):
+        if want > have:
+            raise LadleError(f"{flag} {want:g} but the Ray cluster has {have:g} in all (lower it or add nodes)")
+
+
+def _failure_message(ray: Any, error: Exception) -> str:
+    """One line for a task that failed after its retries: the user's exception, or what Ray saw."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        return f"{type(error.cause).__name__}: {error.cause}"
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first} (after {MAX_RETRIES} retries)"
+
+
+def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, device: str,
+            options: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run each ingredient as a Ray task; return (metadata by task name, error message by name of failed tasks).
+
+    ``options``: ``address`` (None: start a local cluster), ``cpus`` and ``gpus`` per ingredient, and
+    ``gather`` (return weights to the driver instead of writing to shared storage).
+    """
+    ray = import_ray()
+    cpus = float(options.get("cpus") or 1.0)
+    gpus = float(options.get("gpus") or 0.0)
+    gather = bool(options.get("gather"))
+    if cpus <= 0 or gpus < 0:
+        raise LadleError(f"--cpus-per-ingredient must be > 0 and --gpus-per-ingredient >= 0, got {cpus:g}, {gpus:g}")
+    if device == "cuda" and gpus <= 0:
+        raise LadleError("--device cuda with --backend ray needs --gpus-per-ingredient > 0 (e.g. 1, or 0.5 to share)")
+    if device == "cpu" and gpus > 0:
+        log.warning("each ingredient reserves %g GPUs but trains on the CPU (pass --device cuda to use them)", gpus)
+    fault = _parse_fault(os.environ.get(FAULT_ENV))
+
+    started = _connect(ray, options.get("address"))
+    try:
+        _check_resources(ray, cpus, gpus)
+        shared = [task for task in tasks if task.init == "shared"]
+        init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
+        branches = [task for task in tasks if task.k is not None]
+        trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
+                     if gather and branches and recipe.trunk.epochs else None)
+        remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
+                                                 retry_exceptions=True)
+        threads = max(1, int(cpus))
+        pending = {
+            remote.remote(recipe, task, data_root, device, threads,
+                          init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
+            for task in tasks
+        }
+        log.info("submitted %d ingredients to Ray (%g CPUs, %g GPUs each%s)",
+                 len(tasks), cpus, gpus, ", gathering weights" if gather else "")
+        return _collect(ray, pending)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _write_gathered(run_dir: Path, gathered: dict[str, bytes]) -> None:
+    """Write the files a gathering task returned into ``run_dir`` (paths inside it only)."""
+    for relative, payload in gathered.items():
+        path = Path(relative)
+        if path.is_absolute() or ".." in path.parts:
+            raise LadleError(f"a Ray task returned the path {relative!r}, outside the run directory")
+        with atomic_open(run_dir / path) as stream:
+            stream.write(payload)
+
+
+def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Wait for the tasks as they finish, write gathered checkpoints, and tick the driver's bar."""
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    with tqdm(total=len(pending), desc="ingredients", unit="ingredient", dynamic_ncols=True, disable=None) as bar:
+        waiting = list(pending)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            task = pending[done[0]]
+            try:
+                meta, gathered = ray.get(done[0])
+            except ray.exceptions.RayError as error:
+                meta, gathered = {"error": _failure_message(ray, error)}, None
+            if "error" not in meta:
+                checkpoint = task.files.weights(task.name)
+                if gathered is not None:
+                    _write_gathered(task.files.path, gathered)
+                    write_json(task.files.meta(task.name), meta)
+                elif not checkpoint.is_file():
+                    meta = {"error": f"{checkpoint} was written on a worker's node but is not visible here: "
+                                     "put the run directory on shared storage or pass --gather"}
+            if "error" in meta:
+                log.error("%s failed: %s", task.name, meta["error"])
+                failed[task.name] = meta["error"]
+            else:
+                results[task.name] = meta
+            bar.update(1)
+            bar.set_postfix(failed=len(failed))
+    return results, failed

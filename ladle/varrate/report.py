@@ -1,0 +1,95 @@
+"""The variable-rate report: a table and plot of test accuracy against bytes sent."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ladle.core.rundir import RunDir
+from ladle.core.storage import atomic_open, save_figure
+
+log = logging.getLogger(__name__)
+
+
+def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
+    """A run's entry of :func:`write_bytes_report`: its figures and its (bytes, best-so-far test acc) curve."""
+    schedule = meta["schedule"]
+    name = schedule["kind"]
+    if name == "fixed":
+        name = f"fixed r={schedule['rate_max']:g}"
+    if name not in ("full", "none"):
+        name += f" ({meta['compressor']})"
+    seconds = meta["seconds_per_epoch"]
+    halo, halo_curve = 0, []
+    for row in meta["history"]:
+        halo += row["forward_halo"] + row["backward_halo"]
+        halo_curve.append((halo, row["best_test_acc"]))
+    sent = meta["bytes"]
+    return {"name": name, "test_acc": meta["test_acc"], "bytes": sent["total"], "halo_bytes": halo,
+            "allreduce_bytes": sent["allreduce"], "eval_bytes": sent["eval_halo"],
+            "other_bytes": sent["metrics"] + sent["setup"], "step_seconds": seconds["step"],
+            "eval_seconds": seconds["eval"], "epochs": meta["epochs_run"],
+            "note": f"evaluated every {meta['eval_every']} epochs ({meta['evaluations']} times)",
+            "curve": [(row["total_bytes"], row["best_test_acc"]) for row in meta["history"]],
+            "halo_curve": halo_curve}
+
+
+def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, Any]]) -> list[Path]:
+    """A Markdown table and (when matplotlib is importable) a plot in ``out_dir``: test accuracy
+    against the cumulative bytes sent while training (left) and against the halo bytes alone (right),
+    one curve per entry, or a star for an entry without a curve (the soup).
+
+    Entries: ``name``, ``test_acc``, ``bytes`` (everything sent), and optionally its parts ``halo_bytes``,
+    ``allreduce_bytes``, ``eval_bytes``, ``other_bytes``, ``step_seconds`` (per epoch) and ``eval_seconds``
+    (per evaluation), ``epochs``, ``curve`` and ``halo_curve`` (lists of
+    ``(cumulative bytes, best-validation test accuracy so far)``) and ``note``.
+    """
+    def cell(entry: dict[str, Any], key: str, fmt: str) -> str:
+        return format(entry[key], fmt) if entry.get(key) is not None else "-"
+
+    lines = [f"# {title}", "", "Test accuracy at the best-validation evaluation against every byte sent, summed "
+             "over ranks: total = training halo (forward + backward) + gradient all-reduce + evaluation halo + "
+             "other (metric reductions, setup); collectives counted as ring algorithms send them.", "",
+             "| run | test acc | total bytes | halo bytes | all-reduce bytes | eval bytes | other bytes | step s/epoch "
+             "| eval s/evaluation | epochs | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        lines.append(f"| {entry['name']} | {entry['test_acc']:.4f} | {entry['bytes']:,} | "
+                     f"{cell(entry, 'halo_bytes', ',')} | {cell(entry, 'allreduce_bytes', ',')} | "
+                     f"{cell(entry, 'eval_bytes', ',')} | {cell(entry, 'other_bytes', ',')} | "
+                     f"{cell(entry, 'step_seconds', '.3f')} | {cell(entry, 'eval_seconds', '.3f')} | "
+                     f"{cell(entry, 'epochs', 'd')} | "
+                     f"{entry.get('note', '')} |")
+    files = RunDir(out_dir)
+    files.path.mkdir(parents=True, exist_ok=True)
+    with atomic_open(files.report_md, "w") as stream:
+        stream.write("\n".join(lines) + "\n")
+    written = [files.report_md]
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.info("matplotlib not installed: no plot (pip install 'ladle[plots]')")
+        return written
+    figure = Figure(figsize=(12, 4.5))
+    total_axis, halo_axis = figure.subplots(1, 2, sharey=True)
+    colours = colormaps["tab20" if len(entries) > 10 else "tab10"]
+    for i, entry in enumerate(entries):
+        colour = colours(i % colours.N)
+        for axis, key, final in ((total_axis, "curve", entry["bytes"]),
+                                 (halo_axis, "halo_curve", entry.get("halo_bytes", 0))):
+            curve = [(b, acc) for b, acc in entry.get(key, []) if b > 0]
+            if curve:
+                axis.plot([b for b, _ in curve], [acc for _, acc in curve], color=colour, lw=1.2, label=entry["name"])
+                axis.plot([final], [entry["test_acc"]], "o", color=colour)
+            elif axis is total_axis:  # a run that sent nothing on this axis cannot sit on a log scale
+                axis.plot([max(1, final)], [entry["test_acc"]], "*", ms=12, color=colour, label=entry["name"])
+    total_axis.set_xlabel("cumulative bytes sent (everything)")
+    halo_axis.set_xlabel("cumulative halo bytes (forward + backward)")
+    total_axis.set_ylabel("test accuracy (best validation so far)")
+    for axis in (total_axis, halo_axis):
+        axis.set_xscale("log")
+    total_axis.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return written + [save_figure(figure, files.bytes_plot)]
