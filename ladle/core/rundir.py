@@ -38,6 +38,7 @@ CHECKPOINTS = Path("checkpoints")
 BASELINE = "baseline"
 AVERAGED = "averaged"
 TRUNK = "trunk"
+CONTINUED = "trunk-continued"  # the trunk trained on for the branches' epochs: the parallel phase's counterfactual
 
 
 def ingredient_name(k: int) -> str:

@@ -21,6 +21,7 @@ from ladle.core.recipe import SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.core.rundir import (
     AVERAGED,
     BASELINE,
+    CONTINUED,
     TRUNK,
     RunDir,
     check_free,
@@ -37,7 +38,13 @@ from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances
 from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, SoupResult
-from ladle.soup.methods import TRUNK_INDEX, SoupInputs, SoupMethod, chosen_methods
+from ladle.soup.methods import (
+    SOUPS,
+    TRUNK_INDEX,
+    SoupInputs,
+    SoupMethod,
+    chosen_methods,
+)
 from ladle.soup.report import write_report
 
 log = logging.getLogger(__name__)
@@ -108,7 +115,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     report = {
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
-        "references": references,
+        "references": references, "parallel_phase": parallel_phase(soup_rows, references),
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
         "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
@@ -197,13 +204,31 @@ def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], 
 def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evaluator: Evaluator,
                 recompute: bool) -> list[dict[str, Any]]:
     """What the soups are compared with, not soups themselves: the logit ensemble (``ensemble``: the
-    ingredients' mean logits), and the run's trunk, periodically averaged model and full-graph baseline
-    when it has them."""
+    ingredients' mean logits), and the run's trunk, trunk continued, periodically averaged model and
+    full-graph baseline when it has them, each with the epochs and optimizer steps it trained."""
     references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(ensemble)}]
-    models = {TRUNK: trunk} | {name: load_state(files.weights(name)) for name in (AVERAGED, BASELINE)
+    models = {TRUNK: trunk} | {name: load_state(files.weights(name)) for name in (CONTINUED, AVERAGED, BASELINE)
                                if files.weights(name).exists()}
     for name, state in models.items():
         if state is not None:
             logits = evaluator.full_logits(state, recompute)
-            references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits)})
+            meta = read_json(files.meta(name)) if files.meta(name).is_file() else {}
+            references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits),
+                               "epochs": meta.get("epochs_run"), "steps": meta.get("steps")})
     return references
+
+
+def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the K branches added: the best soup by validation accuracy (then loss) against the trunk, the
+    trunk continued and the baseline, in test points. Soups fitted on validation nodes (the learned ones)
+    are left out of the choice: their validation figure is not a fair one."""
+    fitted = sorted(row["name"] for row in soup_rows if SOUPS[row["method"]].fitted)
+    candidates = [row for row in soup_rows if row["name"] not in fitted]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda row: (row["val_acc"], -row["val_loss"]))
+    found = {ref["name"]: ref for ref in references}
+    gains = {name: 100 * (best["test_acc"] - found[name]["test_acc"])
+             for name in (TRUNK, CONTINUED, BASELINE) if name in found}
+    return {"best_soup": best["name"], "val_acc": best["val_acc"], "test_acc": best["test_acc"],
+            "gain_points": gains, "left_out": fitted}

@@ -29,13 +29,31 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
             note += ", alphas " + " ".join(f"{a:.2f}" for a in soup["alphas"])
         rows.append((soup["name"], soup["val_acc"], soup["test_acc"], note))
     for ref in report["references"]:
-        rows.append((f"{ref['name']} (ref)", ref["val_acc"], ref["test_acc"], "not a soup"))
+        trained = f", {ref['epochs']} epochs, {ref['steps']} steps" if ref.get("steps") is not None else ""
+        rows.append((f"{ref['name']} (ref)", ref["val_acc"], ref["test_acc"], "not a soup" + trained))
     return rows
+
+
+def parallel_line(report: dict[str, Any]) -> str:
+    """The report's first line: what the parallel phase added over the trunk and the trunk continued (test
+    points, negative figures as they are), and which soup validation chose ('' without a trunk)."""
+    phase = report.get("parallel_phase")
+    if not phase or "trunk" not in phase["gain_points"]:
+        return ""
+    gains = phase["gain_points"]
+    line = f"the branches added {gains['trunk']:+.1f} points over the trunk"
+    if "trunk-continued" in gains:
+        line += f", {gains['trunk-continued']:+.1f} over the trunk continued"
+    line += f" (test, best soup by validation: {phase['best_soup']}, {phase['test_acc']:.4f}"
+    if phase["left_out"]:
+        line += f"; {', '.join(phase['left_out'])} left out of that choice: fitted on validation nodes"
+    return line + ")"
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned plain-text table."""
-    lines = [f"{'model':<20}{'val':>8}{'test':>8}  note"]
+    lines = [parallel_line(report)] if parallel_line(report) else []
+    lines.append(f"{'model':<20}{'val':>8}{'test':>8}  note")
     lines += [f"{name:<20}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
     if report.get("missing"):
         lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
@@ -63,6 +81,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Soup report: {report['dataset']} / {report['model']} / view {report['view']}",
         "",
+        *([parallel_line(report)[0].upper() + parallel_line(report)[1:] + ".", ""] if parallel_line(report) else []),
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
         f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
         *([validation_line(report)] if validation_line(report) else []),

@@ -22,7 +22,7 @@ from ladle.core.storage import atomic_open
 from ladle.nn.scoring import Metrics
 
 COLUMNS = ("run", "name", "role", "k", "epoch", "train_loss", "val_acc", "val_loss", "lr", "seconds")
-ROLES = ("ingredient", "baseline", "trunk", "averaged", "varrate")
+ROLES = ("ingredient", "baseline", "trunk", "trunk-continued", "averaged", "varrate")
 LOGGERS = ("tensorboard",)  # extra loggers for --log; the CSV is always written
 SCALARS = ("train_loss", "val_acc", "val_loss", "lr")  # what TensorBoard plots against the epoch
 

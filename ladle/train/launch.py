@@ -26,6 +26,7 @@ from ladle.core.resources import available_cores, resolve_device
 from ladle.core.rundir import (
     BASELINE,
     CHECKPOINTS,
+    CONTINUED,
     TRUNK,
     RunDir,
     check_free,
@@ -46,6 +47,7 @@ from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.loop import train_ingredient
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import (
+    INGREDIENT,
     IngredientTask,
     check_ingredients,
     ingredient_tasks,
@@ -57,17 +59,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    """What a finished run left: its folder and each ingredient's (and the trunk's, baseline's) metadata."""
+    """What a finished run left: its folder and each ingredient's metadata, and the trunk's, the trunk
+    continued's and the baseline's when it has them."""
 
     run_dir: Path
     ingredients: list[dict[str, Any]]
     baseline: dict[str, Any] | None = None
     failed: list[str] = field(default_factory=list)
     trunk: dict[str, Any] | None = None
+    continued: dict[str, Any] | None = None
 
     def summary_table(self) -> str:
-        """A plain-text table of the trunk, ingredients and baseline: val/test accuracy, epochs, time, memory."""
-        rows = [meta for meta in (self.trunk, *self.ingredients, self.baseline) if meta]
+        """A plain-text table of every model: val/test accuracy, epochs, time, memory."""
+        rows = [meta for meta in (self.trunk, *self.ingredients, self.continued, self.baseline) if meta]
         lines = [f"{'model':<15}{'view nodes':>11}{'epochs':>8}{'best':>6}{'val':>8}{'test':>8}{'sec':>8}{'RSS MB':>9}"]
         for meta in rows:
             lines.append(
@@ -98,7 +102,7 @@ class _Worker:
 
     def run(self, task: IngredientTask) -> dict[str, Any]:
         """Train ``task`` on its part shard alone (partition views) or on the whole graph."""
-        if task.k is not None and self.shards.partitioned:
+        if task.role == INGREDIENT and self.shards.partitioned:
             shard = load_shard(self.shards.part(task.k))
             return train_ingredient(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
                                     self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
@@ -182,7 +186,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
             update_latest(checkpoints_root, run_path)
-        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every, log)
+        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every, log, bool(recipe.trunk.epochs))
         return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
@@ -224,7 +228,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
 def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:
     """Every task of the run described by ``run_meta`` (its ``run.json``)."""
     return ingredient_tasks(run_path, run_meta["ingredients"], run_meta["init"], bool(run_meta.get("baseline")),
-                            save_every, tuple(run_meta.get("log", ())))
+                            save_every, tuple(run_meta.get("log", ())), bool(recipe_from_dict(run_meta["recipe"]).trunk.epochs))
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
@@ -277,8 +281,8 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
     run_meta["failed"] = sorted(failed)
     write_json(files.run_json, run_meta)
     merge_metrics(run_path)
-    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK)]
-    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK))
+    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK, CONTINUED)]
+    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK), metas.get(CONTINUED))
 
 
 def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:

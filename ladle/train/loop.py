@@ -28,9 +28,9 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe
+from ladle.core.recipe import Recipe, ViewConfig
 from ladle.core.resources import peak_rss_mb
-from ladle.core.rundir import TRUNK
+from ladle.core.rundir import BASELINE, CONTINUED, TRUNK
 from ladle.core.seeds import worker_seed
 from ladle.core.storage import (
     StateDict,
@@ -46,7 +46,7 @@ from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import Metrics, evaluate
 from ladle.train.curves import EpochLogger
-from ladle.train.task import IngredientTask
+from ladle.train.task import INGREDIENT, IngredientTask
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ class BatchInputs:
 
 
 def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
-                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> float:
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> tuple[float, int]:
     """One epoch of Adam steps over ``view``'s batches; return the mean batch loss (NaN when no batch had
-    a loss node); a non-finite loss raises ``FloatingPointError``."""
+    a loss node) and the optimizer steps taken; a non-finite loss raises ``FloatingPointError``."""
     model.train()
     losses: list[float] = []
     for batch in view.batches(epoch):
@@ -128,7 +128,7 @@ def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientVi
         loss.backward()
         optimizer.step()
         losses.append(value)
-    return sum(losses) / len(losses) if losses else float("nan")
+    return (sum(losses) / len(losses) if losses else float("nan")), len(losses)
 
 
 @dataclass(frozen=True)
@@ -157,30 +157,49 @@ class Plan:
 
 def plan(recipe: Recipe, task: IngredientTask) -> Plan:
     """The trunk trains ``trunk.*``; the baseline trains ``trunk.epochs + epochs`` at ``lr`` (the same total
-    epochs as a trunk and its branches), keeping its best; ingredients train ``epochs`` as ``branch.*`` says."""
-    if task.trunk:
+    epochs as a trunk and its branches), keeping its best; ingredients train ``epochs`` as ``branch.*`` says,
+    and so does the trunk continued, which keeps its best (the counterfactual a branch is measured against)."""
+    if task.role == TRUNK:
         return Plan(recipe.trunk.epochs, recipe.trunk.lr, "constant", recipe.trunk.keep, recipe.patience)
-    if task.k is None:
+    if task.role == BASELINE:
         return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
-    return Plan(recipe.epochs, recipe.branch_lr, recipe.branch.schedule, recipe.branch.keep, recipe.patience)
+    keep = "best" if task.role == CONTINUED else recipe.branch.keep
+    return Plan(recipe.epochs, recipe.branch_lr, recipe.branch.schedule, keep, recipe.patience)
+
+
+def from_trunk(recipe: Recipe, task: IngredientTask) -> bool:
+    """Whether ``task`` starts from the trunk's weights: ingredients and the trunk continued, when the recipe
+    has a trunk."""
+    return bool(recipe.trunk.epochs) and task.role in (INGREDIENT, CONTINUED)
 
 
 def initial_state(recipe: Recipe, task: IngredientTask) -> StateDict | None:
-    """The weights a task starts from: the trunk for ingredients of a recipe with one, else the shared init
+    """The weights a task starts from: the trunk (see :func:`from_trunk`), else the shared init
     (``None``: an independent init, drawn from the task's seed)."""
-    if recipe.trunk.epochs and task.k is not None:
+    if from_trunk(recipe, task):
         return load_state(task.files.weights(TRUNK))
     return load_state(task.files.init) if task.init == "shared" else None
+
+
+def task_view(recipe: Recipe, task: IngredientTask) -> ViewConfig:
+    """The view a task trains on: an ingredient's the recipe's, the trunk's (and its continuation's)
+    :meth:`Recipe.trunk_view`, the baseline's the full graph."""
+    if task.role == INGREDIENT:
+        return recipe.view
+    if task.role in (TRUNK, CONTINUED):
+        return recipe.trunk_view()
+    return type(recipe.view)(kind="full")
 
 
 @dataclass
 class Progress(BestEpoch):
     """Where a model's training stands; with the tensors, enough to resume bitwise-identically.
-    ``averaged``: epochs in the ``swa`` mean so far."""
+    ``averaged``: epochs in the ``swa`` mean so far; ``steps``: optimizer steps so far."""
 
     next_epoch: int = 0
     seconds: float = 0.0
     averaged: int = 0
+    steps: int = 0
 
 
 def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
@@ -232,19 +251,17 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     """
     start = time.perf_counter()
     files = task.files
-    k = -2 if task.trunk else -1 if task.k is None else task.k
-    seed = worker_seed(recipe.seed, k)
+    seed = worker_seed(recipe.seed, task.seed_index)
     schedule = plan(recipe, task)
-    if task.k is not None:
-        view_config = recipe.view
-    else:
-        view_config = recipe.trunk_view() if task.trunk else type(recipe.view)(kind="full")
+    view_config = task_view(recipe, task)
+    # the trunk continued goes on with the trunk's batch stream where the trunk left it
+    first_view_epoch = recipe.trunk.epochs if task.role == CONTINUED else 0
     if part_view is not None:
         view = part_view
     else:
         partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
-        view = with_backend(build_view(data, view_config, max(k, 0), task.num_ingredients if task.k is not None else 1,
-                                       recipe.seed, partition))
+        view = with_backend(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
+                                       else 1, recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe, data.num_features, data.num_classes)
     start_state = initial_state(recipe, task)
@@ -273,18 +290,21 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         keep_reason = (f"{val_nodes} validation nodes in its view (< {MIN_SELECTION_NODES}): too few to select an "
                        "epoch on, kept the last weights")
         log.warning("%s: %s", task.name, keep_reason)
+    if keep == "best" and from_trunk(recipe, task) and progress.next_epoch == 0:
+        # the trunk's weights are epoch -1 of the selection: a branch never keeps worse than its start
+        progress.update(-1, evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device)))
 
     bar = tqdm(total=schedule.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
                leave=False, dynamic_ncols=True, disable=None)
-    role = "trunk" if task.trunk else "ingredient" if task.k is not None else "baseline"
-    curves = EpochLogger(files.path, task.name, role, task.log, progress.next_epoch)
+    curves = EpochLogger(files.path, task.name, task.role, task.log, progress.next_epoch)
     for epoch in range(progress.next_epoch, schedule.epochs):
         if keep == "best" and progress.exhausted(schedule.patience):
             break
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr_at(epoch)
         try:
-            train_loss = train_epoch(model, optimizer, view, epoch, batch_inputs, task.name, device)
+            train_loss, steps = train_epoch(model, optimizer, view, first_view_epoch + epoch, batch_inputs, task.name,
+                                            device)
         except FloatingPointError:
             bar.close()
             curves.close()
@@ -297,7 +317,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         if keep == "swa" and epoch >= schedule.swa_start:
             progress.averaged += 1
             kept = running_mean(kept, model.state_dict(), progress.averaged)
-        progress.next_epoch = epoch + 1
+        progress.next_epoch, progress.steps = epoch + 1, progress.steps + steps
         if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < schedule.epochs:
             save_progress(task, model, optimizer, kept,
                           replace(progress, seconds=progress.seconds + time.perf_counter() - start))
@@ -312,13 +332,14 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     test = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
     save_state(files.weights(task.name), model.state_dict())
     meta = {
-        "name": task.name, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
+        "name": task.name, "role": task.role, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
-        "epochs_run": progress.next_epoch, "best_epoch": progress.best_epoch, "view_val_acc": progress.best_acc,
+        "epochs_run": progress.next_epoch, "steps": progress.steps, "best_epoch": progress.best_epoch,
+        "view_val_acc": progress.best_acc,
         "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
         "metrics_on": "graph" if part_view is None else "part",
         "plan": asdict(schedule), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
-        "start": TRUNK if recipe.trunk.epochs and task.k is not None else task.init,
+        "start": TRUNK if from_trunk(recipe, task) else task.init,
         "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
         "pid": os.getpid(), "threads": torch.get_num_threads(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),

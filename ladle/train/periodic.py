@@ -61,8 +61,8 @@ class _Trainer:
     def train_epoch(self, epoch: int) -> float:
         """One epoch over this trainer's batches, on its own RNG stream; return its mean training loss."""
         torch.set_rng_state(self.rng)
-        loss = train_epoch(self.model, self.optimizer, self.view, epoch, self.inputs,
-                           f"averaging trainer {self.view.k}")
+        loss, _ = train_epoch(self.model, self.optimizer, self.view, epoch, self.inputs,
+                              f"averaging trainer {self.view.k}")
         self.rng = torch.get_rng_state()
         return loss
 

@@ -39,12 +39,12 @@ from tqdm import tqdm
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
 from ladle.core.resources import available_cores
-from ladle.core.rundir import TRUNK, RunDir
+from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import atomic_open, write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.inputs import GraphInputs, graph_inputs
 from ladle.train.loop import train_ingredient
-from ladle.train.task import IngredientTask
+from ladle.train.task import INGREDIENT, IngredientTask
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, 
         _check_resources(ray, cpus, gpus)
         shared = [task for task in tasks if task.init == "shared"]
         init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
-        branches = [task for task in tasks if task.k is not None]
+        branches = [task for task in tasks if task.role in (INGREDIENT, CONTINUED)]
         trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
                      if gather and branches and recipe.trunk.epochs else None)
         remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
