@@ -15,10 +15,10 @@ import tomllib
 from conftest import PROJECT
 
 SCRIPTS = {
-    "ladle-train": "ladle.train",
-    "ladle-soup": "ladle.soup",
+    "ladle-train": "ladle.train.cli",
+    "ladle-soup": "ladle.soup.cli",
     "ladle-prepare": "ladle.prepare",
-    "ladle-varrate": "ladle.varrate",
+    "ladle-varrate": "ladle.varrate.cli",
 }
 
 

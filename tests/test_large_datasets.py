@@ -84,7 +84,7 @@ def _load_twice(name: str, root: Path, cache: Path, monkeypatch: pytest.MonkeyPa
     """Load ``name`` from its files, then again with ``ladle.graph.datasets.<reader>`` broken: only the cache can answer."""
     first = load_dataset(name, data_root=root)
     assert len(list((cache / "datasets").glob(f"{name}-*"))) == 1
-    monkeypatch.setattr(ladle.data, reader, _refuse)
+    monkeypatch.setattr(ladle.graph.datasets, reader, _refuse)
     return first, load_dataset(name, data_root=root)
 
 

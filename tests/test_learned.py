@@ -12,6 +12,7 @@ from ladle.core.storage import StateDict
 from ladle.nn.saved import load_ingredients
 from ladle.soup.evaluator import Evaluator
 from ladle.soup.learned import Mixture, layer_of, learned_soup, split_validation
+from ladle.soup.methods import SOUPS
 from ladle.train.launch import train_ingredients
 
 MODES = [False, True]  # learned, learned-partition
@@ -117,7 +118,8 @@ def test_learned_soup_of_cora_ingredients_matches_the_mean_ingredient(cora_run, 
     mean_ingredient = sum(evaluator.validation(s).acc for s in states) / len(states)
     result = learned_soup(states, evaluator, partition=partition, epochs=30)
     assert evaluator.validation(result.state).acc >= mean_ingredient
-    assert result.method == ("learned-partition" if partition else "learned")
+    registered = SOUPS["learned-partition" if partition else "learned"]  # fitted: never chosen on validation
+    assert registered.fitted and registered.layerwise == partition and registered.in_all != partition
     assert len(result.history) == 31 and 0 <= result.best_epoch <= 30
     assert all(abs(sum(row) - 1.0) < 1e-5 for row in result.mixing) and abs(sum(result.alphas) - 1.0) < 1e-5
     if not partition:

@@ -253,7 +253,7 @@ def _merge(base: dict[str, Any], dotted: str, value: Any) -> None:
 
 def recipe_dirs() -> list[Path]:
     """Where ``--recipe NAME`` is looked up: ``./recipes`` then the project's own ``recipes/``."""
-    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
+    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
