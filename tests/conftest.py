@@ -15,6 +15,9 @@ import torch
 
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = PROJECT.parent / "shared" / "datasets"
+# The 0.1 embedded defaults, for tests that train ingredients straight from the shared init: no trunk,
+# 200 epochs, constant learning rate, best-validation weights (the embedded default now has a trunk).
+TRUNKLESS = ("trunk.epochs=0", "epochs=200", "branch.schedule=constant", "branch.keep=best")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -37,7 +38,7 @@ def test_averaging_every_epoch_with_one_trainer_is_plain_training(cora_data, tmp
 
 def test_average_models_sets_every_model_to_the_mean() -> None:
     torch.manual_seed(0)
-    models = [build_model(load_recipe(None, ["norm=batch"]), 5, 3) for _ in range(3)]
+    models = [build_model(load_recipe(None, [*TRUNKLESS, "norm=batch"]), 5, 3) for _ in range(3)]
     for model in models:
         torch.nn.init.normal_(model.convs[0].lin.weight)
         model.norms[0].running_mean.normal_()

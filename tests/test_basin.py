@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 from torch_geometric.data import Data
 
 from ladle.core.recipe import load_recipe
@@ -23,7 +24,7 @@ def _mix(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], alpha: float) -
 
 def test_barrier_is_zero_between_identical_ingredients_on_cora(cora_data: Data, one_thread: None) -> None:
     torch.manual_seed(0)
-    model = build_model(load_recipe(None), cora_data.num_features, cora_data.num_classes)
+    model = build_model(load_recipe(None, list(TRUNKLESS)), cora_data.num_features, cora_data.num_classes)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     inputs = graph_inputs(cora_data, "gcn")
     accuracies = []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 from torch_geometric.data import Data
 
 from ladle import load_recipe, train_ingredients
@@ -15,7 +16,7 @@ from ladle.graph.inputs import graph_inputs
 from ladle.nn.models import build_model
 from ladle.soup.cli import main as soup_main
 
-OVERRIDES = ["norm=batch", "epochs=30"]
+OVERRIDES = [*TRUNKLESS, "norm=batch", "epochs=30"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

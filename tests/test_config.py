@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import TRUNKLESS
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import (
@@ -50,7 +51,7 @@ def test_overrides_reach_nested_keys_and_convert_types() -> None:
     assert (recipe.dataset, recipe.view.kind, recipe.epochs, recipe.soup.grid) == ("citeseer", "metis", 50, 11)
     assert recipe.lr == 1.0 and isinstance(recipe.lr, float)
     assert recipe.view.fanout == (5, 3)
-    assert load_recipe(None, ["lr=1e-3"]).lr == 1e-3
+    assert load_recipe(None, [*TRUNKLESS, "lr=1e-3"]).lr == 1e-3
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -66,7 +67,7 @@ def test_overrides_reach_nested_keys_and_convert_types() -> None:
 ])
 def test_bad_overrides_name_the_key(override: str, needle: str) -> None:
     with pytest.raises((LadleError, ValueError), match=needle.replace(".", r"\.").replace("[", r"\[")):
-        load_recipe(None, [override])
+        load_recipe(None, [*TRUNKLESS, override])
 
 
 def test_malformed_yaml_and_missing_recipe(tmp_path: Path) -> None:

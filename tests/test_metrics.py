@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, run_module
+from conftest import PROJECT, TRUNKLESS, run_module
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -48,7 +48,7 @@ def cli_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     on, TensorBoard too when installed."""
     run_dir = tmp_path_factory.mktemp("metrics") / "run"
     extra = ["--log", "tensorboard"] if HAS_TENSORBOARD else []
-    result = run_module("ladle.train", "-k", "2", "--workers", "1", "--baseline", "--run-dir", str(run_dir),
+    result = run_module("ladle.train", "-k", "2", "--workers", "1", "--baseline", *TRUNKLESS, "--run-dir", str(run_dir),
                         "--data-root", str(data_root), *extra, "view.kind=saint-rw", "epochs=40", "patience=8")
     assert result.returncode == 0, result.stderr
     return run_dir, result
@@ -109,7 +109,7 @@ def test_tensorboard_event_files_read_back_as_the_csv(cli_run) -> None:
 
 def test_resume_keeps_earlier_rows_and_writes_each_epoch_once(cora_data, tmp_path: Path, monkeypatch,
                                                                one_thread) -> None:
-    recipe = load_recipe(None, ["view.kind=saint-rw", "epochs=12", "patience=100"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=12", "patience=100"])
     whole = train_ingredient(recipe, cora_data, IngredientTask(0, 2, tmp_path / "whole", "independent", 5))
     evaluate, calls = engine.evaluate, []
 
@@ -138,7 +138,7 @@ def test_resume_keeps_earlier_rows_and_writes_each_epoch_once(cora_data, tmp_pat
 
 def test_averaging_logs_every_trainer_and_the_average(data_root: Path, tmp_path: Path) -> None:
     extra = ["--log", "tensorboard"] if HAS_TENSORBOARD else []
-    result = run_module("ladle.train", "--average-every", "4", "-k", "2", "--run-dir", str(tmp_path / "avg"),
+    result = run_module("ladle.train", "--average-every", "4", "-k", "2", *TRUNKLESS, "--run-dir", str(tmp_path / "avg"),
                         "--data-root", str(data_root), *extra, "view.kind=random", "epochs=10")
     assert result.returncode == 0, result.stderr
     assert no_progress_bars(result.stderr), result.stderr[-500:]

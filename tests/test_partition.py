@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 from torch import Tensor
 from torch_geometric.data import Data
 
@@ -91,7 +92,7 @@ def _logits(model: torch.nn.Module, graph: Data, kind: str) -> Tensor:
 def test_a_halo_of_one_hop_per_layer_gives_owned_nodes_their_full_graph_logits(
         cora_data: Data, kind: str, layers: int, one_thread: None) -> None:
     torch.manual_seed(0)
-    model = build_model(load_recipe(None, [f"model={kind}", f"layers={layers}"]), cora_data.num_features,
+    model = build_model(load_recipe(None, [*TRUNKLESS, f"model={kind}", f"layers={layers}"]), cora_data.num_features,
                         cora_data.num_classes).eval()
     full = _logits(model, cora_data, kind)
     parts = build_view(cora_data, BALANCED, 0, K, seed=0).parts
@@ -114,7 +115,7 @@ def test_a_halo_of_one_hop_per_layer_gives_owned_nodes_their_full_graph_logits(
 
 def test_halo_shards_match_the_view_and_report_their_overhead(data_root: Path, cora_data: Data,
                                                              one_thread: None) -> None:
-    recipe = load_recipe(None, ["view.kind=metis", "view.balance=labels", "view.halo=2"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "view.balance=labels", "view.halo=2"])
     shards = prepare_shards(recipe, K, data_root)
     parts = shards.partition()
     assert parts is not None and torch.equal(parts, build_view(cora_data, BALANCED, 0, K, seed=0).parts)
@@ -158,13 +159,13 @@ def test_halo_zero_is_the_plain_induced_part(cora_data: Data, data_root: Path) -
                           degree=torch.bincount(graph.edge_index[1], minlength=graph.num_nodes))
         assert torch.equal(counted.csr.values(), given.csr.values())
         assert torch.equal(counted.csr.col_indices(), given.csr.col_indices())
-    shards = prepare_shards(load_recipe(None, ["view.kind=metis"]), 2, data_root)
+    shards = prepare_shards(load_recipe(None, [*TRUNKLESS, "view.kind=metis"]), 2, data_root)
     meta = load_shard(shards.part(0)).meta
     assert "degree" not in meta["arrays"] and "halo_bytes" not in meta
 
 
 def test_training_on_halo_shards(data_root: Path, tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["view.kind=metis", "view.balance=labels", "view.halo=2", "epochs=30"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "view.balance=labels", "view.halo=2", "epochs=30"])
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root)
     assert not run.failed, run.summary_table()
     for meta in run.ingredients:
@@ -182,4 +183,4 @@ def test_bad_partition_options_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"view\.halo applies to view\.kind=metis or random, not cluster"):
         ViewConfig(kind="cluster", halo=1)
     with pytest.raises(LadleError, match=r"view\.halo"):
-        load_recipe(None, ["view.kind=saint-rw", "view.halo=2"])
+        load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "view.halo=2"])

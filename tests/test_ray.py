@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, load_recipe
@@ -21,7 +22,7 @@ from ladle.core.storage import load_state, read_json
 from ladle.train.launch import RunResult, train_ingredients
 
 K = 4
-OVERRIDES = ["dataset=cora", "view.kind=random", "epochs=5", "hidden=16", "seed=3"]
+OVERRIDES = [*TRUNKLESS, "dataset=cora", "view.kind=random", "epochs=5", "hidden=16", "seed=3"]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
@@ -17,7 +18,7 @@ from ladle.train.task import IngredientTask
 def _round_trip(tmp_path: Path, device: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Save the state on ``device``, draw dropout-like noise, restore, draw again: (file, first draw, second)."""
     torch.manual_seed(0)
-    model = build_model(load_recipe(None, ["hidden=8"]), 5, 3).to(device)
+    model = build_model(load_recipe(None, [*TRUNKLESS, "hidden=8"]), 5, 3).to(device)
     optimizer = torch.optim.Adam(model.parameters())
     task = IngredientTask(0, 1, tmp_path, "shared")
     best = {key: value.clone() for key, value in model.state_dict().items()}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, run_module
+from conftest import PROJECT, TRUNKLESS, run_module
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -22,7 +22,7 @@ from ladle.core.rundir import lock_run_dir
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
 
-FULL = ["view.kind=full", "epochs=3"]
+FULL = [*TRUNKLESS, "view.kind=full", "epochs=3"]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_module, train_then_kill
+from conftest import TRUNKLESS, run_module, train_then_kill
 
 from ladle.core.errors import LadleError
 from ladle.core.storage import load_state, save_state, write_json
@@ -56,7 +56,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]  # no temp files left
 
 
-TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", "view.kind=saint-rw", "epochs=120",
+TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUNKLESS, "view.kind=saint-rw", "epochs=120",
               "patience=120"]
 
 
@@ -77,7 +77,7 @@ def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Pat
 
 
 def test_resume_of_a_finished_run_trains_nothing(data_root: Path, tmp_path: Path) -> None:
-    first = run_module("ladle.train", "--ingredients", "1", "epochs=3", "--data-root", str(data_root),
+    first = run_module("ladle.train", "--ingredients", "1", *TRUNKLESS, "epochs=3", "--data-root", str(data_root),
                        "--run-dir", str(tmp_path / "run"))
     assert first.returncode == 0, first.stderr
     before = (tmp_path / "run" / "ingredient-00.safetensors").stat().st_mtime_ns
@@ -89,7 +89,7 @@ def test_nan_loss_fails_that_ingredient_and_keeps_the_run(data_root: Path, tmp_p
     from ladle.core.recipe import load_recipe
     from ladle.train.launch import train_ingredients
 
-    run = train_ingredients(load_recipe(None, ["view.kind=full", "epochs=5", "lr=1.0e+30"]), ingredients=2,
+    run = train_ingredients(load_recipe(None, [*TRUNKLESS, "view.kind=full", "epochs=5", "lr=1.0e+30"]), ingredients=2,
                             workers=1, run_dir=tmp_path / "run", data_root=data_root)
     assert run.failed == ["ingredient-00", "ingredient-01"]
     assert "FloatingPointError" in (tmp_path / "run" / "ingredient-00.json").read_text()
@@ -110,7 +110,7 @@ def test_bad_input_rows(label: str, args: list[str], message: str, data_root: Pa
     a_file.write_text("")
     run_dir = tmp_path / "truncated-run"
     if label == "truncated checkpoint":
-        made = run_module("ladle.train", "--ingredients", "2", "epochs=2", "--data-root", str(data_root),
+        made = run_module("ladle.train", "--ingredients", "2", *TRUNKLESS, "epochs=2", "--data-root", str(data_root),
                           "--run-dir", str(run_dir))
         assert made.returncode == 0, made.stderr
         weights = run_dir / "ingredient-01.safetensors"

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_module
+from conftest import TRUNKLESS, run_module
 
 pytestmark = pytest.mark.slow
 
-RECIPE = ["dataset=synthetic:nodes=100000,degree=26,features=100,classes=47", "view.kind=metis", "epochs=15",
+RECIPE = [*TRUNKLESS, "dataset=synthetic:nodes=100000,degree=26,features=100,classes=47", "view.kind=metis", "epochs=15",
           "patience=15"]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_module
+from conftest import TRUNKLESS, run_module
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
@@ -106,7 +106,7 @@ def test_prepare_force_clears_the_dataset_cache(cache: Path, data_root: Path, co
     args = [*RANDOM_2, "-k", "2", "--data-root", str(data_root)]
     assert run_cli(prepare_main, [*args, "--force"]) == 0
     assert _same_graph(load_dataset("cora", data_root), cora_data)
-    assert torch.equal(load_shard(cache / "shards" / shard_key(load_recipe(None, RANDOM_2), 2, data_root) / "graph")
+    assert torch.equal(load_shard(cache / "shards" / shard_key(load_recipe(None, [*TRUNKLESS, *RANDOM_2]), 2, data_root) / "graph")
                        .data.y, cora_data.y)
 
 
@@ -127,7 +127,7 @@ def test_recipe_name_must_be_a_plain_file_name(name: str, tmp_path: Path) -> Non
 def test_escaping_name_writes_nothing(data_root: Path, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    result = run_module("ladle.train", "-k", "1", "epochs=1", "name=../../escaped", "--data-root", str(data_root),
+    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "name=../../escaped", "--data-root", str(data_root),
                         cwd=work)
     assert result.returncode == 2, result.stderr
     assert "name must be a plain file name" in result.stderr and "Traceback" not in result.stderr
@@ -143,7 +143,7 @@ def test_escaping_name_writes_nothing(data_root: Path, tmp_path: Path) -> None:
 def test_non_finite_numbers_are_refused(override: str) -> None:
     key = override.partition("=")[0]
     with pytest.raises(LadleError, match=f"recipe key '{key}' must be a finite number"):
-        load_recipe(None, [override])
+        load_recipe(None, [*TRUNKLESS, override])
 
 
 def test_non_finite_numbers_in_a_file_or_a_synthetic_spec(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_non_finite_numbers_in_a_file_or_a_synthetic_spec(tmp_path: Path) -> Non
 
 
 def test_nan_learning_rate_writes_nothing(data_root: Path, tmp_path: Path) -> None:
-    result = run_module("ladle.train", "-k", "1", "epochs=1", "lr=nan", "--data-root", str(data_root),
+    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "lr=nan", "--data-root", str(data_root),
                         "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr
     assert "recipe key 'lr' must be a finite number, got 'nan'" in result.stderr
@@ -170,12 +170,12 @@ def test_nan_learning_rate_writes_nothing(data_root: Path, tmp_path: Path) -> No
 @pytest.fixture
 def cached_shards(data_root: Path) -> Path:
     """Cora's shards (random view, K=2) in the session cache."""
-    return prepare_shards(load_recipe(None, RANDOM_2), 2, data_root).path
+    return prepare_shards(load_recipe(None, [*TRUNKLESS, *RANDOM_2]), 2, data_root).path
 
 
 def test_a_bad_root_is_noticed_even_with_cached_shards(cached_shards: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = load_recipe(None, RANDOM_2)
+    recipe = load_recipe(None, [*TRUNKLESS, *RANDOM_2])
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     with pytest.raises(LadleError, match="is not a directory"):
@@ -188,7 +188,7 @@ def test_a_bad_root_is_noticed_even_with_cached_shards(cached_shards: Path, tmp_
 
 
 def test_another_copy_of_the_dataset_is_read(cached_shards: Path, data_root: Path, tmp_path: Path) -> None:
-    recipe = load_recipe(None, RANDOM_2)
+    recipe = load_recipe(None, [*TRUNKLESS, *RANDOM_2])
     copy = tmp_path / "copy"
     shutil.copytree(data_root / "Cora", copy / "Cora", ignore=shutil.ignore_patterns("processed"))
     assert shard_key(recipe, 2, copy) == cached_shards.name  # same files (copied with their mtimes): same shards
@@ -208,7 +208,7 @@ def test_another_copy_of_the_dataset_is_read(cached_shards: Path, data_root: Pat
 def test_list_and_prune_the_cache(cache: Path, data_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for k in (2, 3):
         assert run_cli(prepare_main, [*RANDOM_2, "-k", str(k), "--data-root", str(data_root)]) == 0
-    shards = {prepare_shards(load_recipe(None, RANDOM_2), k, data_root).path.name: k for k in (2, 3)}
+    shards = {prepare_shards(load_recipe(None, [*TRUNKLESS, *RANDOM_2]), k, data_root).path.name: k for k in (2, 3)}
     now = time.time()
     for name, k in shards.items():  # K=2 last used three days ago, K=3 an hour ago, the dataset now
         stamp = now - (3 * 86400 if k == 2 else 3600)
@@ -247,7 +247,7 @@ def test_a_recipe_path_that_is_a_directory(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def finished_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished run: two Cora ingredients on the full graph (hidden 64), 3 epochs each."""
-    return train_ingredients(load_recipe(None, ["view.kind=full", "epochs=3"]), ingredients=2, workers=1,
+    return train_ingredients(load_recipe(None, [*TRUNKLESS, "view.kind=full", "epochs=3"]), ingredients=2, workers=1,
                              data_root=data_root, run_dir=tmp_path_factory.mktemp("security") / "run").run_dir
 
 
@@ -263,7 +263,7 @@ def test_a_foreign_first_ingredient_is_the_one_named_and_skipped(finished_run: P
     meta = json.loads((run / "ingredient-00.json").read_text())
     meta["recipe"]["hidden"] = 32  # ingredient-00 and its JSON copied in from a run with another width
     (run / "ingredient-00.json").write_text(json.dumps(meta))
-    foreign = build_model(load_recipe(None, ["hidden=32"]), cora_data.num_features, cora_data.num_classes)
+    foreign = build_model(load_recipe(None, [*TRUNKLESS, "hidden=32"]), cora_data.num_features, cora_data.num_classes)
     save_state(run / "ingredient-00.safetensors", foreign.state_dict())
     with pytest.raises(LadleError) as error:
         soup_run(run, method="uniform", data_root=data_root, write=False)

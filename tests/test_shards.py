@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PROJECT
+from conftest import PROJECT, TRUNKLESS
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
@@ -32,7 +32,7 @@ METIS_2 = ["view.kind=metis", "epochs=100"]
 
 @pytest.fixture(scope="module")
 def cora_shards(data_root: Path) -> ShardSet:
-    return prepare_shards(load_recipe(None, METIS_2), 2, data_root)
+    return prepare_shards(load_recipe(None, [*TRUNKLESS, *METIS_2]), 2, data_root)
 
 
 def test_shards_round_trip_exactly(cora_shards: ShardSet, cora_data) -> None:
@@ -44,7 +44,7 @@ def test_shards_round_trip_exactly(cora_shards: ShardSet, cora_data) -> None:
     assert edges == sorted(map(tuple, cora_data.edge_index.t().tolist()))
     partition = cora_shards.partition()
     assert partition is not None
-    recipe = load_recipe(None, METIS_2)
+    recipe = load_recipe(None, [*TRUNKLESS, *METIS_2])
     seen = []
     for k in range(2):
         part = load_shard(cora_shards.part(k))
@@ -60,13 +60,13 @@ def test_shards_round_trip_exactly(cora_shards: ShardSet, cora_data) -> None:
 
 
 def test_cache_is_reused_and_a_changed_recipe_invalidates_it(cora_shards: ShardSet, data_root: Path) -> None:
-    recipe = load_recipe(None, METIS_2)
+    recipe = load_recipe(None, [*TRUNKLESS, *METIS_2])
     stamp = (cora_shards.path / "shards.json").stat().st_mtime_ns
     again = prepare_shards(recipe, 2, data_root)
     assert again.path == cora_shards.path and (again.path / "shards.json").stat().st_mtime_ns == stamp
     assert shard_key(recipe.replace(lr=0.1, epochs=3), 2) == shard_key(recipe, 2)  # training keys: same shards
-    changed = [load_recipe(None, ["view.kind=random"]), recipe.replace(seed=1), recipe.replace(dataset="citeseer"),
-               recipe.replace(features="raw"), load_recipe(None, ["view.kind=metis", "split=1"])]
+    changed = [load_recipe(None, [*TRUNKLESS, "view.kind=random"]), recipe.replace(seed=1), recipe.replace(dataset="citeseer"),
+               recipe.replace(features="raw"), load_recipe(None, [*TRUNKLESS, "view.kind=metis", "split=1"])]
     keys = {shard_key(r, 2) for r in changed} | {shard_key(recipe, 3)}
     assert shard_key(recipe, 2) not in keys and len(keys) == len(changed) + 1
     (cora_shards.part(1) / "meta.json").unlink()  # an incomplete set is rebuilt
@@ -107,7 +107,7 @@ print(float(data.x.sum()), [line.split()[1] for line in open("/proc/self/status"
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
 def test_worker_memory_follows_its_shard() -> None:
     spec = "synthetic:nodes=200000,degree=4,features=256,classes=4"  # 205 MB of features
-    shards = prepare_shards(load_recipe(None, [f"dataset={spec}", "view.kind=random"]), 8)
+    shards = prepare_shards(load_recipe(None, [*TRUNKLESS, f"dataset={spec}", "view.kind=random"]), 8)
     peaks = {}
     for kind, source in (("shard", str(shards.part(0))), ("full", spec)):
         done = subprocess.run([sys.executable, "-c", PEAK, kind, source], capture_output=True, text=True,
@@ -120,7 +120,7 @@ def test_worker_memory_follows_its_shard() -> None:
 
 def test_train_ingredients_from_shards_matches_the_whole_graph_path(data_root: Path, cora_data,
                                                                      tmp_path: Path) -> None:
-    recipe = load_recipe(None, METIS_2)
+    recipe = load_recipe(None, [*TRUNKLESS, *METIS_2])
     run = train_ingredients(recipe, ingredients=2, workers=2, run_dir=tmp_path / "run", data_root=data_root,
                             baseline=True)
     assert not run.failed and (tmp_path / "run" / "shards").is_symlink()
@@ -155,7 +155,7 @@ def test_layerwise_inference_equals_the_full_forward(cora_data, model: str) -> N
     inputs = graph_inputs(cora_data, model)
     for norm in ("layer", "batch"):
         torch.manual_seed(0)
-        net = build_model(load_recipe(None, [f"model={model}", f"norm={norm}", "layers=3"]),
+        net = build_model(load_recipe(None, [*TRUNKLESS, f"model={model}", f"norm={norm}", "layers=3"]),
                           cora_data.num_features, cora_data.num_classes)
         for module in net.norms:
             if isinstance(module, torch.nn.BatchNorm1d):

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import SOUP_METRICS, load_recipe
@@ -105,7 +106,7 @@ NEIGHBOURHOOD_MODELS = [["model=gcn", "layers=3"], ["model=sage"], ["model=gat"]
 def test_validation_neighbourhood_logits_equal_full_graph_logits(cora_data, overrides: list[str]) -> None:
     """The L-hop sub-graph around the validation nodes (full-graph normalisation, attention over every
     in-neighbour, the model's batch-norm statistics) gives those nodes their full-graph logits."""
-    recipe = load_recipe(None, overrides)
+    recipe = load_recipe(None, [*TRUNKLESS, *overrides])
     torch.manual_seed(0)
     model = build_model(recipe, cora_data.num_features, cora_data.num_classes)
     with torch.no_grad():  # biases and batch-norm statistics away from their zero / one initialisation
@@ -137,9 +138,9 @@ def test_validation_neighbourhood_logits_equal_full_graph_logits(cora_data, over
 
 
 def test_evaluator_goes_layerwise_on_big_graphs(cora_data, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not Evaluator(load_recipe(None), cora_data).layerwise
+    assert not Evaluator(load_recipe(None, list(TRUNKLESS)), cora_data).layerwise
     monkeypatch.setattr(evaluation, "LAYERWISE_NODES", cora_data.num_nodes)
-    assert Evaluator(load_recipe(None), cora_data).layerwise
+    assert Evaluator(load_recipe(None, list(TRUNKLESS)), cora_data).layerwise
 
 
 def test_learned_partition_never_builds_the_whole_graph(cora_run: Path, cora_data, data_root: Path,
@@ -246,7 +247,7 @@ def _scalar_states(*values: float) -> list[StateDict]:
 def test_greedy_default_is_wortsmans_rule_ties_accepted() -> None:
     """The default metric (``acc``) accepts an ingredient that ties on accuracy with a higher loss, as
     Wortsman et al.'s greedy soup does; ``acc+loss`` rejects it; a drop in accuracy is rejected by both."""
-    assert load_recipe(None).soup.metric == "acc" == load_recipe("cora-gcn").soup.metric
+    assert load_recipe(None, list(TRUNKLESS)).soup.metric == "acc" == load_recipe("cora-gcn").soup.metric
     states = _scalar_states(0.0, 1.0, 3.0)
 
     def score(state: StateDict) -> Metrics:  # accuracy 0.8 while w <= 1 (then 0.7), loss grows with w

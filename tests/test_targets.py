@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.nn.layerwise import LayerwiseInference
@@ -34,7 +35,7 @@ def _random_model(recipe, data, seed: int):
 @pytest.mark.parametrize("overrides", [["model=gcn"], ["model=sage"], ["model=gcn", "layers=3", "norm=layer"],
                                        ["model=sage", "layers=3", "norm=batch"], ["model=gcn", "layers=1"]])
 def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[str]) -> None:
-    recipe = load_recipe(None, overrides)
+    recipe = load_recipe(None, [*TRUNKLESS, *overrides])
     model = _random_model(recipe, cora_data, seed=len(overrides))
     whole = LayerwiseInference.from_data(cora_data)
     targets = sample_targets(cora_data.test_mask, 300, seed=1)
@@ -48,7 +49,7 @@ def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[s
 
 
 def test_gat_is_not_supported(cora_data) -> None:
-    recipe = load_recipe(None, ["model=gat"])
+    recipe = load_recipe(None, [*TRUNKLESS, "model=gat"])
     assert not supports(build_model(recipe, cora_data.num_features, cora_data.num_classes))
 
 
@@ -67,7 +68,7 @@ def test_stderr_of_an_accuracy() -> None:
 
 def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_data, monkeypatch) -> None:
     monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 200)
-    recipe = load_recipe(None)
+    recipe = load_recipe(None, list(TRUNKLESS))
     model = _random_model(recipe, cora_data, seed=3)
     state = model.state_dict()
     evaluator = Evaluator(recipe, cora_data, layerwise=True)
@@ -86,7 +87,7 @@ def test_whole_graph_passes_reuse_the_first_aggregation_exactly(model: str) -> N
 
     data = synthetic_graph(nodes=3000, degree=8, features=32, classes=5)  # dense features: the cached path
     data.num_classes = 5
-    recipe = load_recipe(None, [f"model={model}"])
+    recipe = load_recipe(None, [*TRUNKLESS, f"model={model}"])
     inference = LayerwiseInference.from_data(data)
     for seed in (0, 1):  # the second model reuses what the first cached
         net = _random_model(recipe, data, seed)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
@@ -25,7 +26,7 @@ VIEW_FLOORS = [
 @pytest.mark.parametrize("kind, ingredients, floor", VIEW_FLOORS)
 def test_every_view_trains_a_gcn_above_its_floor(cora_data, tmp_path: Path, kind: str, ingredients: int,
                                                  floor: float) -> None:
-    recipe = load_recipe(None, [f"view.kind={kind}", "epochs=100"])
+    recipe = load_recipe(None, [*TRUNKLESS, f"view.kind={kind}", "epochs=100"])
     meta = train_ingredient(recipe, cora_data, IngredientTask(1, ingredients, tmp_path, "independent"))
     assert meta["test_acc"] >= floor, meta
     assert meta["status"] == "done" and (tmp_path / "ingredient-01.safetensors").is_file()
@@ -34,13 +35,13 @@ def test_every_view_trains_a_gcn_above_its_floor(cora_data, tmp_path: Path, kind
 
 @pytest.mark.parametrize("model, extra", [("sage", []), ("gat", ["lr=0.005", "dropout=0.6"])])
 def test_every_architecture_trains(cora_data, tmp_path: Path, model: str, extra: list[str]) -> None:
-    recipe = load_recipe(None, [f"model={model}", "view.kind=full", "epochs=60", *extra])
+    recipe = load_recipe(None, [*TRUNKLESS, f"model={model}", "view.kind=full", "epochs=60", *extra])
     meta = train_ingredient(recipe, cora_data, IngredientTask(0, 1, tmp_path, "independent"))
     assert meta["test_acc"] >= 0.75, meta
 
 
 def _weights(cora_data, run_dir: Path, k: int) -> dict[str, torch.Tensor]:
-    recipe = load_recipe(None, ["view.kind=saint-rw", "epochs=15"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=15"])
     train_ingredient(recipe, cora_data, IngredientTask(k, 4, run_dir, "independent"))
     return load_state(run_dir / f"ingredient-{k:02d}.safetensors")
 
@@ -55,7 +56,7 @@ def test_same_seed_gives_bitwise_identical_weights(cora_data, tmp_path: Path) ->
 
 
 def test_ingredients_run_in_separate_processes_without_process_group(data_root: Path, tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["view.kind=metis", "epochs=5", "lr=1e-6"])  # too small to move a weight by 1e-4
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "epochs=5", "lr=1e-6"])  # too small to move a weight by 1e-4
     run = train_ingredients(recipe, ingredients=3, workers=2, run_dir=tmp_path / "run", data_root=data_root,
                             baseline=True)
     assert [m["name"] for m in run.ingredients] == ["ingredient-00", "ingredient-01", "ingredient-02"]

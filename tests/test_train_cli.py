@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 from torch_geometric.data import Data
 
 from ladle.core.recipe import load_recipe
@@ -16,7 +17,7 @@ from ladle.nn.models import build_model
 from ladle.soup.cli import main as soup_main
 from ladle.train.cli import main as train_main
 
-SHORT = ["-k", "2", "--workers", "1", "view.kind=cluster", "epochs=3"]
+SHORT = ["-k", "2", "--workers", "1", *TRUNKLESS, "view.kind=cluster", "epochs=3"]
 SAVED = ("init", "ingredient-00", "ingredient-01")
 
 
@@ -58,9 +59,9 @@ def test_independent_init_draws_each_ingredient_from_its_own_seed(data_root: Pat
     initial draw (seeded S * 1000 + k + 1), far from the shared init and from the others."""
     overrides = ["view.kind=full", "epochs=2", "lr=1e-6"]
     run = tmp_path / "run"
-    assert train_main(["-k", "3", "--workers", "1", "--independent-init", "--seed", "2", "--data-root",
+    assert train_main(["-k", "3", "--workers", "1", *TRUNKLESS, "--independent-init", "--seed", "2", "--data-root",
                        str(data_root), "--run-dir", str(run), *overrides]) == 0
-    recipe = load_recipe(None, [*overrides, "seed=2"])
+    recipe = load_recipe(None, [*TRUNKLESS, *overrides, "seed=2"])
     shared = load_state(run / "init.safetensors")
     weights = [load_state(run / f"ingredient-{k:02d}.safetensors") for k in range(3)]
     for k, state in enumerate(weights):
@@ -79,7 +80,7 @@ def test_average_every_from_the_cli_is_a_soup_reference(seeded_runs: dict[str, P
     the bytes of a ring all-reduce, and the soup of the ingredient run reports the averaged model's scores."""
     run = tmp_path / "run"
     shutil.copytree(seeded_runs["first"], run)
-    assert train_main(["--average-every", "3", "-k", "2", "--seed", "3", "view.kind=random", "epochs=10",
+    assert train_main(["--average-every", "3", "-k", "2", *TRUNKLESS, "--seed", "3", "view.kind=random", "epochs=10",
                        "--data-root", str(data_root), "--run-dir", str(run)]) == 0
     assert "averaged every 3 epochs, K=2" in capsys.readouterr().out
     meta = json.loads((run / "averaged.json").read_text())

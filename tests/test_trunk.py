@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_module, train_then_kill
+from conftest import TRUNKLESS, run_module, train_then_kill
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, save_state
@@ -65,7 +65,7 @@ def test_report_gives_the_barrier_of_every_step_and_the_distances(frozen_run: Pa
 
 
 def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["view.kind=full", "epochs=3", "soup.method=gis"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=full", "epochs=3", "soup.method=gis"])
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root,
                             threads=1)
     assert run.trunk is None and not (tmp_path / "run" / "trunk.safetensors").exists()
@@ -81,7 +81,7 @@ def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:
 
 
 def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_path: Path) -> None:
-    recipe = load_recipe(None, ["view.kind=metis", "epochs=3", "patience=1"])
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "epochs=3", "patience=1"])
     torch.manual_seed(recipe.seed)
     save_state(tmp_path / "init.safetensors", build_model(recipe, cora_data.num_features, 7).state_dict())
     meta = train_ingredient(recipe, cora_data, IngredientTask(0, 16, tmp_path, "shared"))  # about 31 val nodes

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
-from conftest import PROJECT, run_module
+from conftest import PROJECT, TRUNKLESS, run_module
 from torch import Tensor
 from torch.multiprocessing import start_processes
 from torch_geometric.data import Data
@@ -186,7 +186,7 @@ def _exact_step(rank: int, world: int, data_root: str, out: Path, models: list[s
     for kind in models:
         shard = RankData.build(data, parts, rank, world, kind)
         torch.manual_seed(0)
-        model = build_model(load_recipe(None, [f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
+        model = build_model(load_recipe(None, [*TRUNKLESS, f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
         exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic())
         logits = partition_forward(model, shard.x, shard.plan, exchange)
         partition_loss(logits, shard).backward()
@@ -201,7 +201,7 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
     backward of a compressed exchange against autograd through torch's differentiable all_to_all."""
     data, parts = _tiny_graph()
     shard = RankData.build(data, parts, rank, world, "gcn")
-    recipe = load_recipe(None, ["hidden=8", "dropout=0.0"])
+    recipe = load_recipe(None, [*TRUNKLESS, "hidden=8", "dropout=0.0"])
     counts: dict[str, list[int]] = {}
     for label, compressor, rate in [("rate1", Truncate(), 1.0), ("truncate4", Truncate(), 4.0),
                                     ("mask4", RandomMask(), 4.0), ("int8-4", Int8(), 4.0),
@@ -249,7 +249,7 @@ def two_ranks(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 def _reference(data: Data, kind: str) -> tuple[Tensor, dict[str, Tensor]]:
     torch.manual_seed(0)
-    model = build_model(load_recipe(None, [f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
+    model = build_model(load_recipe(None, [*TRUNKLESS, f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
     logits = model(graph_inputs(data, kind))
     F.cross_entropy(logits[data.train_mask], data.y[data.train_mask]).backward()
     return logits.detach(), {name: p.grad for name, p in model.named_parameters()}

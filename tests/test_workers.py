@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
@@ -21,7 +22,7 @@ def _weights(run_dir: Path, ingredients: int) -> list[dict[str, torch.Tensor]]:
 def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loaded: list[str], data_root: Path,
                                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 one_thread: None) -> None:
-    recipe = load_recipe(None, [f"view.kind={kind}", "epochs=3"])
+    recipe = load_recipe(None, [*TRUNKLESS, f"view.kind={kind}", "epochs=3"])
     run = train_ingredients(recipe, ingredients=3, workers=1, threads=1, run_dir=tmp_path / "run",
                             data_root=data_root, save_every=0)
     pooled = _weights(run.run_dir, 3)
