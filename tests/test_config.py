@@ -18,9 +18,8 @@ from ladle.core.recipe import (
 
 def test_default_recipe_file_is_the_embedded_default_with_a_trunk() -> None:
     recipe = load_recipe("default")
-    assert recipe.trunk == TrunkConfig(epochs=100, view="cluster", lr=0.01, keep="best")
-    assert recipe.branch == BranchConfig(lr=None, schedule="cos", keep="last") and recipe.epochs == 100
-    assert recipe.replace(epochs=200, trunk=TrunkConfig(), branch=BranchConfig()) == Recipe()
+    assert recipe.trunk == TrunkConfig() and recipe.trunk.epochs > 0 and recipe.trunk_view().kind == "cluster"
+    assert recipe.branch == BranchConfig() and recipe == Recipe() == load_recipe(None)
 
 
 def test_metis_recipes_differ_only_in_the_dataset() -> None:

@@ -56,7 +56,7 @@ class TrunkConfig:
     weights.
     """
 
-    epochs: int = 0
+    epochs: int = 100
     view: str = ""
     lr: float = 0.01
     keep: str = "best"
@@ -83,8 +83,8 @@ class BranchConfig:
     """
 
     lr: float | None = None
-    schedule: str = "constant"
-    keep: str = "best"
+    schedule: str = "cos"
+    keep: str = "last"
 
     def __post_init__(self) -> None:
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -111,7 +111,7 @@ class Recipe:
     norm: str = "none"
     heads: int = 8
     view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="cluster"))
-    epochs: int = 200
+    epochs: int = 100
     lr: float = 0.01
     weight_decay: float = 5e-4
     patience: int = 100

@@ -1,0 +1,85 @@
+"""What the parallel phase is measured against: branches that select among the trunk's own weights too, the
+trunk continued for a branch's epochs (the same worker without the K - 1 others), and a best-soup choice
+that leaves soups fitted on validation nodes out."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle.core.recipe import Recipe, load_recipe
+from ladle.core.storage import load_state
+from ladle.soup.pipeline import parallel_phase, soup_run
+from ladle.soup.report import format_table
+from ladle.train.launch import train_ingredients
+
+
+@pytest.fixture(scope="module")
+def continued_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ClusterGCN branches from a 4-epoch trunk, with the trunk continued, souped with gis."""
+    run_dir = tmp_path_factory.mktemp("continued") / "run"
+    recipe = load_recipe(None, ["trunk.epochs=4", "epochs=3", "view.kind=cluster", "branch.keep=last",
+                                "soup.method=gis"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=run_dir, data_root=data_root, threads=1)
+    assert not run.failed and run.continued is not None
+    soup_run(run_dir, data_root=data_root)
+    return run_dir
+
+
+def test_the_trunk_continued_takes_a_branchs_steps_from_the_trunk(continued_run: Path) -> None:
+    continued = json.loads((continued_run / "trunk-continued.json").read_text())
+    branch = json.loads((continued_run / "ingredient-00.json").read_text())
+    trunk = json.loads((continued_run / "trunk.json").read_text())
+    assert continued["role"] == "trunk-continued" and continued["start"] == "trunk" and continued["keep"] == "best"
+    assert continued["view"]["kind"] == trunk["view"]["kind"] == branch["view"]["kind"] == "cluster"
+    assert continued["epochs_run"] == branch["epochs_run"] == 3
+    assert continued["steps"] == branch["steps"] == 3 * 8  # 32 METIS parts, 4 a batch: 8 steps an epoch
+    assert trunk["steps"] == 4 * 8 and continued["plan"]["lr"] == branch["plan"]["lr"]
+    assert continued["seed"] not in (branch["seed"], trunk["seed"])
+
+
+def test_the_report_opens_with_what_the_branches_added(continued_run: Path) -> None:
+    report = json.loads((continued_run / "report.json").read_text())
+    references = {ref["name"]: ref for ref in report["references"]}
+    assert references["trunk-continued"]["steps"] == 24 and references["trunk"]["epochs"] == 4
+    phase = report["parallel_phase"]
+    gis = next(soup for soup in report["soups"] if soup["method"] == "gis")
+    assert phase["best_soup"] == "soup-gis" and phase["left_out"] == []
+    assert phase["gain_points"]["trunk"] == pytest.approx(100 * (gis["test_acc"] - references["trunk"]["test_acc"]))
+    assert phase["gain_points"]["trunk-continued"] == pytest.approx(
+        100 * (gis["test_acc"] - references["trunk-continued"]["test_acc"]))
+    first = format_table(report).splitlines()[0]
+    assert first.startswith(f"the branches added {phase['gain_points']['trunk']:+.1f} points over the trunk, "
+                            f"{phase['gain_points']['trunk-continued']:+.1f} over the trunk continued")
+    assert (continued_run / "report.md").read_text().splitlines()[2].startswith("The branches added")
+
+
+def test_a_branch_whose_every_epoch_is_worse_keeps_the_trunks_weights(data_root: Path, tmp_path: Path) -> None:
+    # lr 10 wrecks a trained GCN at its first step: no branch epoch can match the trunk on validation
+    recipe = load_recipe(None, ["trunk.epochs=20", "epochs=2", "view.kind=full", "branch.lr=10",
+                                "branch.keep=best"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root,
+                            threads=1)
+    trunk = load_state(tmp_path / "run" / "trunk.safetensors")
+    for meta in [*run.ingredients, run.continued]:
+        assert meta["best_epoch"] == -1 and meta["epochs_run"] == 2, meta["name"]
+        kept = load_state(tmp_path / "run" / f"{meta['name']}.safetensors")
+        assert all(torch.equal(kept[key], trunk[key]) for key in trunk), meta["name"]
+        assert meta["val_acc"] == pytest.approx(run.trunk["val_acc"])
+
+
+def test_a_soup_fitted_on_validation_nodes_is_left_out_of_the_best_soup_choice() -> None:
+    soups = [{"name": "soup-gis", "method": "gis", "val_acc": 0.80, "val_loss": 0.7, "test_acc": 0.81},
+             {"name": "soup-learned", "method": "learned", "val_acc": 0.90, "val_loss": 0.5, "test_acc": 0.79}]
+    references = [{"name": "trunk", "test_acc": 0.80}, {"name": "trunk-continued", "test_acc": 0.82}]
+    phase = parallel_phase(soups, references)
+    assert phase is not None and phase["best_soup"] == "soup-gis" and phase["left_out"] == ["soup-learned"]
+    assert phase["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0})
+    assert parallel_phase(soups[1:], references) is None  # nothing fair to choose from
+
+
+def test_the_embedded_default_is_the_default_recipe_file() -> None:
+    assert load_recipe(None) == Recipe() == load_recipe("default")
+    assert Recipe().trunk.epochs > 0
