@@ -26,7 +26,7 @@ class IngredientTask:
     init: str  # "shared" | "independent"
     save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
     trunk: bool = False
-    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.metrics.LOGGERS)
+    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
 
     @property
     def name(self) -> str:
