@@ -2,8 +2,8 @@
 
 For each dataset and seed it trains K ingredients with the dataset's recipe (zero communication),
 soups them with :func:`ladle.soup.soup_run` (uniform, greedy, GIS) and with the learned soups of
-:mod:`ladle.learned` (on the validation neighbourhood, and on METIS parts), and trains K trainers on
-random partitions with periodic averaging (:mod:`ladle.averaging`) for the same epochs per trainer.
+:mod:`ladle.soup.learned` (on the validation neighbourhood, and on METIS parts), and trains K trainers on
+random partitions with periodic averaging (:mod:`ladle.train.periodic`) for the same epochs per trainer.
 Test accuracy is at the soup's / averaged model's own validation choice; mean ± std over seeds.
 Not a test: run it by hand. The defaults (Cora and CiteSeer: 5 seeds, 200 epochs, learned soups
 100 epochs; Physics: 1 seed, 20 epochs, learned soups 50 epochs) took about 30 minutes on 2 cores shared

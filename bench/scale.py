@@ -7,7 +7,7 @@ stages, each a process tree run exactly as a user runs it:
 1. ``python -m ladle.prepare <recipe> -k K --force`` (cold: generate, METIS, write the shards);
 2. ``python -m ladle.train <recipe> -k K --workers 2 --run-dir RUN`` (the shards from the cache);
 3. ``python -m ladle.soup --run-dir RUN --method gis --search fast``: every ingredient's and the soup's whole-split
-   accuracy and the logit ensemble; candidates scored on the validation sample (``ladle.evaluation``).
+   accuracy and the logit ensemble; candidates scored on the validation sample (``ladle.nn.scoring``).
 
 The recipe is the embedded default with ``view.kind=metis view.balance=labels epochs=E patience=E``
 (label-balanced METIS: on this graph, whose classes cluster, plain METIS parts hold a few classes each).

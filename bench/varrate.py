@@ -20,7 +20,7 @@ recipe's: the model is the embedded default recipe's (2-layer GCN, hidden 64). `
 output files, ``--seed`` sets the recipe's seed.
 
 Bytes are every payload byte sent, summed over ranks, collectives counted as ring algorithms send them
-(``ladle.comm``): training halo, gradient all-reduce, the exact evaluation halo (every ``--eval-every``
+(``ladle.core.collectives``): training halo, gradient all-reduce, the exact evaluation halo (every ``--eval-every``
 epochs), metric reductions and setup.
 
 Run specs (``--runs``) are ``schedule[:rate][/compressor]``: ``full``, ``none``, ``fixed:16``,

@@ -3,7 +3,7 @@ prune the cache.
 
 Takes the recipe arguments of ``python -m ladle.train``; a later ``ladle.train`` with the same
 dataset files, view, ``-k`` and seed finds the shards in the cache and links them into its run directory
-instead of loading the whole graph (see :mod:`ladle.shards`). ``--list`` shows what the cache holds
+instead of loading the whole graph (see :mod:`ladle.graph.shards`). ``--list`` shows what the cache holds
 (datasets' arrays, shard sets) with sizes; ``--prune`` removes entries unused for ``--older-than``, then
 the least recently used until the cache fits ``--max-size``.
 """

@@ -25,7 +25,7 @@ def test_averaging_every_epoch_with_one_trainer_is_plain_training(cora_data, tmp
     With K = 1 the average is the model itself, and validating every epoch picks the same best epoch.
     """
     recipe = load_recipe("cora-gcn", ["view.kind=random", "epochs=20"])
-    torch.manual_seed(recipe.seed)  # the shared init, as ladle.launch writes it
+    torch.manual_seed(recipe.seed)  # the shared init, as ladle.train.launch writes it
     save_state(tmp_path / "init.safetensors", build_model(recipe, cora_data.num_features,
                                                           cora_data.num_classes).state_dict())
     plain = train_ingredient(recipe, cora_data, IngredientTask(0, 1, tmp_path, "shared"))

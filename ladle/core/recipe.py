@@ -366,7 +366,7 @@ class ViewConfig:
     fanout: tuple[int, ...] = (25, 10)  # neighbor: neighbours sampled per node, per hop
     balance: str = "none"  # metis: "labels" balances each class's train labels across parts
     halo: int = 0  # metis/random: hops of read-only neighbourhood each part also stores (loss on its own nodes)
-    backend: str = "ladle"  # cluster/saint/neighbor batches: ladle's samplers, or PyG's loaders (ladle.pyg_views)
+    backend: str = "ladle"  # cluster/saint/neighbor batches: ladle's samplers, or PyG's loaders (ladle.graph.pyg_views)
 
     def __post_init__(self) -> None:
         if self.kind not in VIEW_KINDS:

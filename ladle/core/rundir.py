@@ -7,7 +7,7 @@ to the prepared shards), per ingredient ``ingredient-XX.safetensors`` + ``ingred
 ``ingredient-XX.progress.safetensors`` while it trains), ``baseline.*``, ``averaged.*``,
 ``soup-<method>.*``, the soup report (``report.json``, ``report.md``, ``accuracy.png``, ``alpha.png``)
 or a varrate run's ``model.safetensors``, ``varrate.json`` and ``accuracy-bytes.png``; the training
-curves (:mod:`ladle.metrics`): ``metrics-<name>.csv`` per process, merged into ``metrics.csv``, and with
+curves (:mod:`ladle.train.curves`): ``metrics-<name>.csv`` per process, merged into ``metrics.csv``, and with
 ``--log tensorboard`` event files under ``tensorboard-logs/<curve>/``.
 ``checkpoints/latest`` points at the newest run.
 
@@ -83,7 +83,7 @@ class RunDir:
 
     @property
     def shards(self) -> Path:
-        """The link to the run's prepared shards (made by :meth:`ladle.shards.ShardSet.link`)."""
+        """The link to the run's prepared shards (made by :meth:`ladle.graph.shards.ShardSet.link`)."""
         return self.path / "shards"
 
     def weights(self, name: str) -> Path:
@@ -140,7 +140,7 @@ class RunDir:
 
     @property
     def metrics(self) -> Path:
-        """Every model's per-epoch training curve, merged (:func:`ladle.metrics.merge_metrics`)."""
+        """Every model's per-epoch training curve, merged (:func:`ladle.train.curves.merge_metrics`)."""
         return self.path / "metrics.csv"
 
     def metrics_part(self, name: str) -> Path:

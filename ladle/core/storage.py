@@ -1,4 +1,4 @@
-"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.rundir`).
+"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.core.rundir`).
 
 Every write goes to a temporary file in the same folder, is fsynced, then renamed over the target:
 a crash leaves the old file or the new, never half. Nothing here unpickles: weights load with

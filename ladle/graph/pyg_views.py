@@ -6,7 +6,7 @@
 PyG's normalisation; ``neighbor`` from ``NeighborLoader``. The GraphSAINT samplers need torch-sparse,
 ``NeighborLoader`` torch-sparse or pyg-lib. Each view wraps the ladle view of the same settings, which
 still owns the eval graph, the partition and the step count, and converts PyG's batches to ladle's batch
-format (see :mod:`ladle.views`), so trainers and models do not know which backend drew them.
+format (see :mod:`ladle.graph.views`), so trainers and models do not know which backend drew them.
 
 PyG's samplers draw from torch's global RNG. Here every draw runs on a private RNG state seeded by
 ``(seed, k, epoch)``: batches are deterministic and the trainer's own random stream (dropout) is

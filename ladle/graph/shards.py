@@ -83,7 +83,7 @@ class Shard:
         return self.arrays["col"]
 
     def inputs(self, model: str) -> GraphInputs:
-        """:func:`~ladle.models.graph_inputs` of the whole shard, decided and built the same way, but bag-of-words
+        """:func:`~ladle.graph.inputs.graph_inputs` of the whole shard, decided and built the same way, but bag-of-words
         features come from their stored non-zeros: the dense ``x`` is never read."""
         if not self.meta["sparse_features"] or model == "gat":
             return graph_inputs(self.data, model, sparse_features=False)
@@ -99,7 +99,7 @@ class Shard:
 
 
 class PartShardView(FullView):
-    """Part ``k`` of a partition view, from its shard: trains exactly as :class:`~ladle.views.PartitionView`
+    """Part ``k`` of a partition view, from its shard: trains exactly as :class:`~ladle.graph.views.PartitionView`
     (same nodes, same local edge order) without the rest of the graph; ``describe`` adds its cut edges
     and halo."""
 
@@ -210,7 +210,7 @@ def load_shard(path: Path, edge_index: bool = True) -> Shard:
 
 def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None = None) -> dict[str, Any]:
     """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them), with the
-    identity of the dataset's files under ``data_root`` (:func:`~ladle.data.dataset_identity`)."""
+    identity of the dataset's files under ``data_root`` (:func:`~ladle.graph.datasets.dataset_identity`)."""
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
             "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
             "seed": recipe.seed, "data": dataset_identity(recipe.dataset, data_root)}
@@ -365,7 +365,7 @@ def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: 
     (``bar`` ticks once a part); return their names.
 
     Nodes keep their global order and edges their CSR order, so part ``k`` is exactly
-    :class:`~ladle.views.PartitionView` ``k``'s eval graph.
+    :class:`~ladle.graph.views.PartitionView` ``k``'s eval graph.
     """
     edge_part = parts[adj.dst]
     cross = parts[adj.src] != edge_part

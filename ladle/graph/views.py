@@ -1,7 +1,7 @@
 """Ingredient views: how ingredient ``k`` of ``K`` sees the graph it trains and validates on.
 
 Kinds: ``full`` (the whole graph; ingredients differ only by seed), ``metis`` / ``random`` (ingredient
-``k`` owns part ``k`` of a K-way partition, :mod:`ladle.partition`, plus an optional read-only halo),
+``k`` owns part ``k`` of a K-way partition, :mod:`ladle.graph.partition`, plus an optional read-only halo),
 ``cluster`` (ClusterGCN batches), ``saint-node`` / ``saint-edge`` / ``saint-rw`` (GraphSAINT subgraphs
 with its normalisation) and ``neighbor`` (GraphSAGE fan-out sampling). Everything is vectorised torch
 over an in-edge CSR plus pymetis, and deterministic given ``(seed, k, epoch)``: no global RNG is touched.

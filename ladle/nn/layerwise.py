@@ -1,4 +1,4 @@
-"""Full-graph logits of a ladle :class:`~ladle.models.GNN`, layer by layer over batches of nodes.
+"""Full-graph logits of a ladle :class:`~ladle.nn.models.GNN`, layer by layer over batches of nodes.
 
 A plain forward builds the whole normalised adjacency ``Â`` (a CSR and its transpose) and every
 layer's activations at once. Here layer ``l`` is finished for all nodes before layer ``l + 1``
@@ -34,7 +34,7 @@ class LayerwiseInference:
     """Computes ``model(graph)`` for every node of one graph, exactly up to float rounding, batch by batch.
 
     ``rowptr``/``col``: the in-edge CSR (row ``v`` lists the sources ``u`` of the edges ``u -> v``), as
-    :mod:`ladle.shards` stores it. Built once per graph; each :meth:`logits` call takes any weights.
+    :mod:`ladle.graph.shards` stores it. Built once per graph; each :meth:`logits` call takes any weights.
     """
 
     def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> None:
@@ -72,7 +72,7 @@ class LayerwiseInference:
 
         ``bn_nodes``: first re-estimate each batch-norm layer's running statistics (in place) as the
         mean and unbiased variance of these nodes' activations, the layers below already in eval mode
-        (:func:`ladle.evaluation.recompute_batch_norm` propagates train-mode activations through one forward
+        (:func:`ladle.nn.scoring.recompute_batch_norm` propagates train-mode activations through one forward
         of a sub-graph instead; on all of Cora's nodes the two differ by ~1e-3 in the logits).
         """
         model.eval()

@@ -1,7 +1,7 @@
 """GCN, GraphSAGE and GAT on PyG's convolutions, and the graph inputs they consume.
 
 GCN and SAGE layers keep PyG's parameters (``GCNConv``/``SAGEConv`` state dicts) but aggregate with a
-cached :class:`~ladle.sparse.SparseMatrix` (``out = Â · X W``), 2-3x faster than ``edge_index``
+cached :class:`~ladle.graph.sparse.SparseMatrix` (``out = Â · X W``), 2-3x faster than ``edge_index``
 message passing on CPU. GAT needs per-edge attention and takes ``edge_index``.
 """
 from __future__ import annotations

@@ -50,15 +50,15 @@ VALIDATION_SAMPLE = 20_000  # at that scale, candidates are scored on at most th
 class Evaluator:
     """Scores weights of one architecture on a graph's splits, cheaply.
 
-    Whole splits are scored by layer-wise inference (:mod:`ladle.inference`), which bounds memory at
+    Whole splits are scored by layer-wise inference (:mod:`ladle.nn.layerwise`), which bounds memory at
     scale. Validation, on small graphs, needs only the L-hop neighbourhood of the validation nodes: that
     sub-graph (with the full graph's normalisation) is built once and every candidate is scored on it,
     exactly. With ``layerwise`` (default: from :data:`LAYERWISE_NODES` nodes on, where that neighbourhood
     is most of the graph) validation is layer-wise too, no whole-graph adjacency is ever built, and
     batch-norm statistics are re-estimated on the training nodes layer by layer
-    (:meth:`~ladle.inference.LayerwiseInference.logits`). There, GCN and SAGE candidates are scored on a
+    (:meth:`~ladle.nn.layerwise.LayerwiseInference.logits`). There, GCN and SAGE candidates are scored on a
     fixed seeded sample of at most :data:`VALIDATION_SAMPLE` validation nodes (all of them when fewer), by
-    :class:`~ladle.targets.TargetInference` (exact logits of those nodes, the first aggregation computed
+    :class:`~ladle.nn.target_nodes.TargetInference` (exact logits of those nodes, the first aggregation computed
     once); :meth:`validation_nodes` says how many. Report rows are always scored on whole splits.
     The neighbourhoods are built on first use. ``inference``: the graph's layer-wise inference when the
     caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``.

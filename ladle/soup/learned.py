@@ -2,7 +2,7 @@
 
 The soup is ``θ_l = Σ_k softmax(a_l)_k · θ_{k,l}``: one mixing weight per ingredient ``k`` and layer ``l``
 (a layer's convolution and its norm share them), learned by Adam on the validation loss with the
-ingredients frozen, through :func:`torch.func.functional_call` on the recipe's :class:`~ladle.models.GNN`.
+ingredients frozen, through :func:`torch.func.functional_call` on the recipe's :class:`~ladle.nn.models.GNN`.
 
 Honest protocol: the validation nodes are split once, by ``seed``, into two halves. The *fit* half gives
 the loss that is descended; the *held-out* half scores the mixing weights at the start of every epoch
@@ -10,7 +10,7 @@ and after the last, and the best-scoring weights (accuracy, then lower loss; ear
 the soup. Only validation labels are ever read; test labels never are.
 
 ``learned``: each epoch is one forward/backward on the L-hop neighbourhood of the validation nodes
-(:class:`~ladle.evaluation.Evaluator`'s ``val``), exact full-graph outputs. ``learned-partition``: the graph
+(:class:`~ladle.soup.evaluator.Evaluator`'s ``val``), exact full-graph outputs. ``learned-partition``: the graph
 is split into ``parts`` METIS parts; each step is one forward/backward on the induced subgraph of
 ``parts_per_step`` random parts (ClusterGCN normalisation, cut edges dropped), an epoch visits every
 part once, and the held-out score is a no-grad pass over fixed groups of parts. Every forward then
@@ -20,7 +20,7 @@ its validation neighbourhood or a whole-graph forward (``ladle.soup`` scores thi
 layer-wise); what it holds of the whole graph is the unnormalised in-edge CSR that METIS reads.
 Mixed batch-norm statistics are used as they are while learning (models run in eval mode, so the loss
 is deterministic); :func:`ladle.soup.soup_run` recomputes them for the final soup. Both methods
-register in :data:`ladle.soups.SOUPS` (``learned-partition`` is not part of ``all``).
+register in :data:`ladle.soup.methods.SOUPS` (``learned-partition`` is not part of ``all``).
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class Mixture:
 
 @dataclass
 class LearnedSoupResult(SoupResult):
-    """A :class:`~ladle.evaluation.SoupResult` (``alphas``: each ingredient's mean weight over layers) plus the
+    """A :class:`~ladle.soup.evaluator.SoupResult` (``alphas``: each ingredient's mean weight over layers) plus the
     learned weights: ``mixing[l][k]`` for layer ``layers[l]``, and ``history``: ``(epoch, held-out acc,
     held-out loss)`` of the weights at the start of each epoch (the last row: after the last epoch)."""
 

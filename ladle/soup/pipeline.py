@@ -1,7 +1,7 @@
 """``python -m ladle.soup``: merge the ingredients of a run into one model with each chosen method.
 
-The methods are :data:`ladle.soups.SOUPS` (uniform, greedy, gis, and the learned soups of
-:mod:`ladle.learned`). Candidates are scored on the validation split only; test accuracy is reported,
+The methods are :data:`ladle.soup.methods.SOUPS` (uniform, greedy, gis, and the learned soups of
+:mod:`ladle.soup.learned`). Candidates are scored on the validation split only; test accuracy is reported,
 never used.
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: 
 
 def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], start: StateDict,
            start_name: str) -> dict[str, Any]:
-    """Whether the ingredients sit in one basin: the barrier (:func:`ladle.basin.barrier`, validation points)
+    """Whether the ingredients sit in one basin: the barrier (:func:`ladle.soup.basin.barrier`, validation points)
     of every greedy-interpolation step, and each ingredient's distance from the weights it started from
     (``start_name``: the trunk or the shared init) and from the soup (the first with interpolation curves, else the first soup made)."""
     interpolated = next((result for result in soups if result.curves), None)

@@ -1,8 +1,8 @@
 """``python -m ladle.train``: train K ingredients, each alone on its own view of the graph.
 
-The command line over :func:`ladle.launch.train_ingredients` (one ingredient's loop:
-:mod:`ladle.engine`; where ingredients run: :mod:`ladle.launch`, :mod:`ladle.ray_backend`) and, with
-``--average-every``, :func:`ladle.averaging.train_with_averaging`.
+The command line over :func:`ladle.train.launch.train_ingredients` (one ingredient's loop:
+:mod:`ladle.train.loop`; where ingredients run: :mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) and, with
+``--average-every``, :func:`ladle.train.periodic.train_with_averaging`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
 
-The launcher prepares the run's shards (once, cached: :mod:`ladle.shards`), the run directory and the
+The launcher prepares the run's shards (once, cached: :mod:`ladle.graph.shards`), the run directory and the
 shared initial weights, then hands out ingredient tasks. A worker memory-maps only what its task
 sees: the part shard of a ``metis``/``random`` ingredient, else the whole-graph shard (kept for the
 next task). Workers use ``cores / workers`` threads each and never talk to one another: no process
@@ -132,10 +132,10 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
-    ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.ray_backend`).
+    ``backend``: ``local`` worker processes, or ``ray`` tasks (see :mod:`ladle.train.ray_tasks`).
     ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
     ``threads``: torch threads per local worker (default: cores / workers).
-    ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.metrics`).
+    ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.train.curves`).
     """
     check_ingredients(ingredients)
     log = tuple(log)

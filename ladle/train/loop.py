@@ -7,7 +7,7 @@ each trains: epochs, learning rate and its schedule, and which weights it keeps:
 early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by
 periodic averaging and varrate), the last, or their mean over the second half). Every
 ``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
-The launchers (:mod:`ladle.launch`, :mod:`ladle.ray_backend`) build the task list with
+The launchers (:mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) build the task list with
 :func:`ingredient_tasks` (and :func:`trunk_task`) and hand each task to :func:`train_ingredient`.
 """
 from __future__ import annotations
@@ -246,7 +246,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
 
     Every ``task.save_every`` epochs the full training state is saved; if such a file exists when
     this starts, training resumes from it and ends bitwise-identical to an uninterrupted run.
-    ``part_view``: the view of a part shard (:mod:`ladle.shards`), ``data`` being that part alone;
+    ``part_view``: the view of a part shard (:mod:`ladle.graph.shards`), ``data`` being that part alone;
     the val/test metrics in the JSON are then the part's own (``"metrics_on": "part"``).
     """
     start = time.perf_counter()

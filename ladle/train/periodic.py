@@ -6,8 +6,8 @@ K-way partition) and every ``average_every`` epochs all weights are replaced by 
 ``θ_k <- (1/K) Σ_j θ_j``; each trainer keeps its own Adam moments. The trainers run in one process in
 lockstep, an in-process stand-in for an all-reduce: each keeps its own RNG stream (saved and restored
 around its epoch), so trainer ``k`` draws exactly the dropout masks that ingredient ``k`` of
-:func:`ladle.engine.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
-as a ring all-reduce would send it (:func:`ladle.comm.ring_allreduce_bytes`, the convention of
+:func:`ladle.train.loop.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
+as a ring all-reduce would send it (:func:`ladle.core.collectives.ring_allreduce_bytes`, the convention of
 ``ladle.varrate``): about ``2 (K - 1) / K`` model sizes per trainer, exactly ``2 (K - 1) × model_bytes``
 over all trainers per average (model bytes: every floating-point entry of the state dict).
 The averaged model is validated on the full graph after each average; the best one is kept (early
@@ -68,7 +68,7 @@ class _Trainer:
 
 
 def average_models(models: list[GNN]) -> int:
-    """Set every model's floating-point state to the mean over models (:func:`ladle.evaluation.average`;
+    """Set every model's floating-point state to the mean over models (:func:`ladle.core.weights.average`;
     in place, so optimisers keep their parameters); return the bytes of one model's averaged state."""
     states = [m.state_dict() for m in models]
     sent = 0
@@ -91,7 +91,7 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
 
     Every trainer's curve goes to ``metrics-averaged.csv`` (role ``averaged``, ``k`` the trainer; the
     validation of the averaged model at each average), merged into ``run_dir``'s ``metrics.csv``;
-    ``log``: loggers besides the CSV (:mod:`ladle.metrics`)."""
+    ``log``: loggers besides the CSV (:mod:`ladle.train.curves`)."""
     check_ingredients(ingredients)
     check_loggers(log)
     if average_every < 1:
@@ -121,7 +121,7 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         "name": AVERAGED, "ingredients": ingredients, "average_every": average_every, "recipe": recipe.to_dict(),
         "views": [t.view.describe() for t in trainers],
         "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
-        "bytes_formula": "ring all-reduce, summed over trainers: 2 (K - 1) x model_bytes per average (ladle.comm)", "lockstep": "in-process",
+        "bytes_formula": "ring all-reduce, summed over trainers: 2 (K - 1) x model_bytes per average (ladle.core.collectives)", "lockstep": "in-process",
         "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "status": "done",
     }
     write_json(files.meta(AVERAGED), meta)

@@ -2,7 +2,7 @@
 
 Tasks never talk to each other, exactly as on the local backend. A Ray worker process loads the
 dataset once and keeps it for the next ingredient it is given, uses ``--cpus-per-ingredient``
-threads, and calls :func:`ladle.engine.train_ingredient` like a local worker does, so the same seed
+threads, and calls :func:`ladle.train.loop.train_ingredient` like a local worker does, so the same seed
 gives bit-identical weights on both backends. (Not yet for ``view.kind=metis``/``cluster``: METIS draws
 from libc's process-wide ``rand()``, which Ray's own threads also call, so a partition computed inside
 a Ray worker can differ from run to run.)

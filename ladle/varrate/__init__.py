@@ -7,12 +7,12 @@ its peers the rows of ``Z`` they aggregate from (its boundary nodes), compressed
 receives theirs (its halo), and aggregates with its rows of the full-graph ``Â``. Exchanging after the
 projection sends ``hidden`` columns instead of the raw features (8,415 on Coauthor Physics). The
 feature gradients of the halo rows travel back the same way; parameter gradients are all-reduced so
-every rank holds one model, whose state dict is ladle's :class:`~ladle.models.GNN`.
+every rank holds one model, whose state dict is ladle's :class:`~ladle.nn.models.GNN`.
 
 ``r_t`` follows a schedule, heavy compression early and light late (``linear``, ``step``), or is fixed;
 ``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo). Every
 payload byte a rank puts on the wire is counted, collectives as ring algorithms send them
-(:mod:`ladle.comm`; the gradient all-reduce ``2 (K - 1) / K`` model sizes a rank, a step): forward
+(:mod:`ladle.core.collectives`; the gradient all-reduce ``2 (K - 1) / K`` model sizes a rank, a step): forward
 halo, backward halo, gradient all-reduce, the exact evaluation halo (every ``eval_every`` epochs),
 the per-epoch metric reduction and the setup (partition broadcast, size table). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
 for halos, ``all_reduce`` for gradients and metrics.
@@ -20,7 +20,7 @@ for halos, ``all_reduce`` for gradients and metrics.
 Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,
 exchange, byte accounting), :mod:`~ladle.varrate.engine` (one rank's model and loop),
 :mod:`~ladle.varrate.ranks` (process group, spawned or torchrun ranks), :mod:`~ladle.varrate.cli`.
-The report (accuracy against bytes) is written by :func:`ladle.report.write_bytes_report`.
+The report (accuracy against bytes) is written by :func:`ladle.varrate.report.write_bytes_report`.
 """
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ def collective(what: str) -> Iterator[None]:
 @dataclass
 class Traffic:
     """Bytes this rank sent, by purpose (payload bytes; a peer's own rows are never sent; collectives
-    counted as :mod:`ladle.comm`'s ring algorithms send them)."""
+    counted as :mod:`ladle.core.collectives`'s ring algorithms send them)."""
 
     forward_halo: int = 0
     backward_halo: int = 0

@@ -102,7 +102,7 @@ class RankData:
     @classmethod
     def build(cls, data: Data, parts: Tensor, rank: int, world: int, model: str,
               device: torch.device | str = "cpu", setup_bytes: int = 0) -> RankData:
-        """Slice ``data`` for ``rank``; features go sparse when the whole matrix would (as in ladle.engine)."""
+        """Slice ``data`` for ``rank``; features go sparse when the whole matrix would (as in ladle.train.loop)."""
         plan = build_plan(data.edge_index, data.num_nodes, parts, rank, world, model)
         x = data.x[plan.owned]
         features: Features = SparseMatrix.from_dense(x) if use_sparse_features(data.x, model) else x
@@ -122,7 +122,7 @@ def partition_loss(logits: Tensor, part: RankData) -> Tensor:
 
 def allreduce_gradients(model: GNN, traffic: Traffic) -> None:
     """Sum every parameter's gradient over ranks in one flat ``all_reduce``; count this rank's ring share
-    (:func:`ladle.comm.ring_allreduce_bytes`, about ``2 (K - 1) / K`` model sizes)."""
+    (:func:`ladle.core.collectives.ring_allreduce_bytes`, about ``2 (K - 1) / K`` model sizes)."""
     params = list(model.parameters())
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     with collective("gradient all-reduce"):
@@ -147,7 +147,7 @@ class VarrateOptions:
     timeout: float = 300.0
     threads: int = 0  # 0: cores / ranks on this machine
     eval_every: int = EVAL_EVERY
-    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.metrics.LOGGERS)
+    log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
 
     def __post_init__(self) -> None:
         if self.eval_every < 1:
@@ -174,8 +174,8 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     best-validation evaluation's weights and test accuracy are kept, with early stopping after
     ``patience`` epochs. Every epoch all-reduces the loss and the byte counters (counted as
     ``metrics``). Rank 0 writes the weights, the metadata and the report into ``run_dir``
-    (:class:`~ladle.rundir.RunDir`) and returns the metadata; other ranks return None. Rank 0 also logs
-    the run's curve (:mod:`ladle.metrics`, role ``varrate``): the all-reduced training loss every epoch,
+    (:class:`~ladle.core.rundir.RunDir`) and returns the metadata; other ranks return None. Rank 0 also logs
+    the run's curve (:mod:`ladle.train.curves`, role ``varrate``): the all-reduced training loss every epoch,
     validation at each evaluation.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -305,7 +305,7 @@ def _summary(recipe: Recipe, options: VarrateOptions, world: int, history: list[
                           "training": parts["forward_halo"] + parts["backward_halo"] + parts["allreduce"],
                           "total": sum(parts.values()) + setup},
         "bytes_convention": "payload bytes each rank sends, summed over ranks; collectives as ring algorithms "
-                            "(all-reduce: 2 (K-1)/K x size per rank; see ladle.comm)",
+                            "(all-reduce: 2 (K-1)/K x size per rank; see ladle.core.collectives)",
         "seconds_per_epoch": {"step": total("step_seconds") / max(1, len(history)),
                               "eval": total("eval_seconds") / max(1, evaluations)},
         "history": history, "status": "done",
