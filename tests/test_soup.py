@@ -122,17 +122,18 @@ def test_validation_neighbourhood_logits_equal_full_graph_logits(cora_data, over
     evaluator = Evaluator(recipe, cora_data)
     inputs, labels, where = evaluator.val
     assert inputs.num_nodes < cora_data.num_nodes and torch.equal(labels, cora_data.y[cora_data.val_mask])
-    cheap = evaluator.logits(state, inputs, recompute_bn=False)[where]
+    as_is = Evaluator(recipe, cora_data, recompute_bn=False)  # the statistics the model has
+    cheap = as_is.logits(state, inputs)[where]
     assert full.abs().max() > 0.1 and (cheap - full).abs().max() <= 2e-6
-    assert (evaluator.full_logits(state, recompute_bn=False)[cora_data.val_mask] - full).abs().max() <= 2e-6
+    assert (as_is.full_logits(state)[cora_data.val_mask] - full).abs().max() <= 2e-6
     recomputed, whole = evaluator.validation(state), evaluator.split(state, "val_mask")  # statistics re-estimated
     assert recomputed.acc == whole.acc and abs(recomputed.loss - whole.loss) <= 2e-6
     # layer-wise scoring (what big graphs and learned-partition use) gives the same logits and scores
-    layerwise = Evaluator(recipe, cora_data, layerwise=True)
-    every = layerwise.full_logits(state, recompute_bn=False)
+    layerwise = Evaluator(recipe, cora_data, layerwise=True, recompute_bn=False)
+    every = layerwise.full_logits(state)
     with torch.no_grad():
         assert (every - model(graph_inputs(cora_data, recipe.model))).abs().max() <= 1e-5  # float rounding
-    exact, scored = metrics(full, labels), layerwise.validation(state, recompute_bn=False)
+    exact, scored = metrics(full, labels), layerwise.validation(state)
     assert scored.acc == exact.acc and abs(scored.loss - exact.loss) <= 2e-6
     assert "val" not in vars(layerwise) and "full_adj" not in vars(layerwise)  # nothing whole-graph was built
 

@@ -61,12 +61,13 @@ class Evaluator:
     :class:`~ladle.nn.target_nodes.TargetInference` (exact logits of those nodes, the first aggregation computed
     once); :meth:`validation_nodes` says how many. Report rows are always scored on whole splits.
     The neighbourhoods are built on first use. ``inference``: the graph's layer-wise inference when the
-    caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``.
+    caller has it (a shard's memory-mapped CSR), else built from ``data.edge_index``. ``recompute_bn``: re-estimate
+    batch-norm statistics of merged weights on the training nodes before scoring them.
     """
 
     def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None,
-                 inference: LayerwiseInference | None = None) -> None:
-        self.recipe, self.data = recipe, data
+                 inference: LayerwiseInference | None = None, recompute_bn: bool = True) -> None:
+        self.recipe, self.data, self.recompute_bn = recipe, data, recompute_bn
         self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
         self.sparse_features = use_sparse_features(data.x, recipe.model)
         self.layerwise = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
@@ -84,15 +85,15 @@ class Evaluator:
         targets = sample_targets(self.data.val_mask, VALIDATION_SAMPLE, self.recipe.seed)
         return TargetInference(self.inference, targets, self.recipe.layers)
 
-    def validation_nodes(self, recompute_bn: bool = True) -> tuple[int, int]:
+    def validation_nodes(self) -> tuple[int, int]:
         """How many validation nodes :meth:`validation` scores candidates on, of how many."""
         total = int(self.data.val_mask.sum())
-        if self._samples(recompute_bn):
+        if self._samples():
             return min(total, VALIDATION_SAMPLE), total
         return total, total
 
-    def _samples(self, recompute_bn: bool) -> bool:
-        return self.layerwise and supports(self.model) and not self._recomputes(recompute_bn)
+    def _samples(self) -> bool:
+        return self.layerwise and supports(self.model) and not self._recomputes()
 
     @cached_property
     def full_adj(self) -> Tensor | SparseMatrix:
@@ -119,22 +120,22 @@ class Evaluator:
         adj = edge_index if isinstance(self.full_adj, Tensor) else select(self.full_adj, nodes)
         return GraphInputs(features, adj, nodes.numel()), self.data.y[seeds], mapping
 
-    def _recomputes(self, recompute_bn: bool) -> bool:
-        return recompute_bn and self.model.has_batch_norm()
+    def _recomputes(self) -> bool:
+        return self.recompute_bn and self.model.has_batch_norm()
 
     @torch.no_grad()
-    def full_logits(self, state: StateDict, recompute_bn: bool = True) -> Tensor:
+    def full_logits(self, state: StateDict) -> Tensor:
         """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
         if self.layerwise:
             self.model.load_state_dict(state)
-            bn_nodes = self.train_nodes if self._recomputes(recompute_bn) else None
+            bn_nodes = self.train_nodes if self._recomputes() else None
             return self.inference.logits(self.model, bn_nodes)
-        return self.inference.logits(self.load(state, recompute_bn))
+        return self.inference.logits(self.load(state))
 
-    def load(self, state: StateDict, recompute_bn: bool = True) -> GNN:
+    def load(self, state: StateDict) -> GNN:
         """The model holding ``state``; batch-norm statistics recomputed on the training nodes."""
         self.model.load_state_dict(state)
-        if self._recomputes(recompute_bn):
+        if self._recomputes():
             if self.layerwise:
                 self.inference.logits(self.model, self.train_nodes)
             else:
@@ -142,26 +143,26 @@ class Evaluator:
         return self.model
 
     @torch.no_grad()
-    def logits(self, state: StateDict, inputs: GraphInputs, recompute_bn: bool = True) -> Tensor:
-        model = self.load(state, recompute_bn)
+    def logits(self, state: StateDict, inputs: GraphInputs) -> Tensor:
+        model = self.load(state)
         model.eval()
         return model(inputs)
 
-    def validation(self, state: StateDict, recompute_bn: bool = True) -> Metrics:
+    def validation(self, state: StateDict) -> Metrics:
         """Validation accuracy and loss of ``state`` (on the validation neighbourhood, or layer-wise: on the
         sampled validation nodes for GCN/SAGE without batch norm to recompute, else on all of them)."""
-        if self._samples(recompute_bn):
+        if self._samples():
             self.model.load_state_dict(state)
             return metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
         if self.layerwise:
-            return self.split(state, "val_mask", recompute_bn)
+            return self.split(state, "val_mask")
         inputs, y, where = self.val
-        return metrics(self.logits(state, inputs, recompute_bn)[where], y)
+        return metrics(self.logits(state, inputs)[where], y)
 
-    def split(self, state: StateDict, mask_name: str, recompute_bn: bool = True) -> Metrics:
+    def split(self, state: StateDict, mask_name: str) -> Metrics:
         """Accuracy and loss of ``state`` on a whole split of the full graph."""
         mask = self.data[mask_name]
-        return metrics(self.full_logits(state, recompute_bn)[mask], self.data.y[mask])
+        return metrics(self.full_logits(state)[mask], self.data.y[mask])
 
     def split_metrics(self, logits: Tensor) -> dict[str, float]:
         """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures)."""

@@ -77,20 +77,20 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
     evaluator = Evaluator(recipe, data, layerwise=True if any(m.layerwise for m in methods) else None,
-                          inference=inference)
+                          inference=inference, recompute_bn=recompute)
     trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
     bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
                unit="candidate", dynamic_ncols=True, disable=None)
 
     def score(state: StateDict) -> Metrics:
         bar.update(1)
-        return evaluator.validation(state, recompute)
+        return evaluator.validation(state)
 
     start = time.perf_counter()
     ingredient_val = [score(s) for s in bundle.states]
     rows, logit_sum = [], None  # one whole-graph pass per ingredient: its test accuracy, and the ensemble's sum
     for name, state, val in zip(bundle.names, bundle.states, ingredient_val):
-        logits = evaluator.full_logits(state, recompute)
+        logits = evaluator.full_logits(state)
         logit_sum = logits.clone() if logit_sum is None else logit_sum.add_(logits)
         rows.append({"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
                      "test_acc": evaluator.split_metrics(logits)["test_acc"]})
@@ -107,9 +107,9 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     bar.total = bar.n  # the fast alpha search may skip points it already scored
     bar.close()
 
-    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, recompute)
+    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
-    soup_rows = [_soup_row(result, evaluator, recompute, bundle.names, settings) for result in soups]
+    soup_rows = [_soup_row(result, evaluator, bundle.names, settings) for result in soups]
     basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
                    trunk if trunk is not None else load_state(files.init), "trunk" if trunk is not None else "init")
     report = {
@@ -119,7 +119,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
         "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
-        "validation": _validation(evaluator, rows, recompute),
+        "validation": _validation(evaluator, rows),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
@@ -156,10 +156,10 @@ def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None,
     return shard.data, LayerwiseInference.from_shard(shard)
 
 
-def _validation(evaluator: Evaluator, rows: list[dict[str, Any]], recompute: bool) -> dict[str, Any]:
+def _validation(evaluator: Evaluator, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How candidates were scored: on how many validation nodes of how many, and, when sampled, the standard
     error of an accuracy there (at the best ingredient's whole-split accuracy)."""
-    used, total = evaluator.validation_nodes(recompute)
+    used, total = evaluator.validation_nodes()
     best = max(row["val_acc"] for row in rows)
     return {"nodes": used, "of": total, "stderr": accuracy_stderr(best, used) if used < total else 0.0}
 
@@ -171,11 +171,11 @@ def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fas
     return ingredients + sum(m.scorings(candidates, grid, fast) for m in methods)
 
 
-def _soup_row(result: SoupResult, evaluator: Evaluator, recompute: bool, names: list[str],
+def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str],
               settings: dict[str, Any]) -> dict[str, Any]:
     """A soup's report row, scored on whole splits; its batch-norm statistics recomputed first (in place)."""
-    logits = evaluator.full_logits(result.state, recompute)  # one pass; batch-norm statistics recomputed first
-    if recompute and evaluator.model.has_batch_norm():
+    logits = evaluator.full_logits(result.state)  # one pass; batch-norm statistics recomputed first
+    if evaluator.recompute_bn and evaluator.model.has_batch_norm():
         result.state = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
     return {"name": soup_name(result.method), "kind": "soup", "method": result.method,
             **evaluator.split_metrics(logits), "evaluations": result.evaluations,
@@ -201,8 +201,8 @@ def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], 
                           for name, d in zip(bundle.names, distances)]}
 
 
-def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evaluator: Evaluator,
-                recompute: bool) -> list[dict[str, Any]]:
+def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None,
+                evaluator: Evaluator) -> list[dict[str, Any]]:
     """What the soups are compared with, not soups themselves: the logit ensemble (``ensemble``: the
     ingredients' mean logits), and the run's trunk, trunk continued, periodically averaged model and
     full-graph baseline when it has them, each with the epochs and optimizer steps it trained."""
@@ -211,7 +211,7 @@ def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evalua
                                if files.weights(name).exists()}
     for name, state in models.items():
         if state is not None:
-            logits = evaluator.full_logits(state, recompute)
+            logits = evaluator.full_logits(state)
             meta = read_json(files.meta(name)) if files.meta(name).is_file() else {}
             references.append({"name": name, "kind": "reference", **evaluator.split_metrics(logits),
                                "epochs": meta.get("epochs_run"), "steps": meta.get("steps")})
