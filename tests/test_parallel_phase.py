@@ -18,10 +18,11 @@ from ladle.train.launch import train_ingredients
 
 @pytest.fixture(scope="module")
 def continued_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two ClusterGCN branches from a 4-epoch trunk, with the trunk continued, souped with gis."""
+    """Two ClusterGCN branches from a 4-epoch trunk (the second with a vanishing learning rate and no
+    dropout), with the trunk continued, souped with gis."""
     run_dir = tmp_path_factory.mktemp("continued") / "run"
     recipe = load_recipe(None, ["trunk.epochs=4", "epochs=3", "view.kind=cluster", "branch.keep=last",
-                                "soup.method=gis"])
+                                "soup.method=gis", "branch.lr_scale=[1, 1e-28]", "branch.dropout=[0.5, 0.0]"])
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=run_dir, data_root=data_root, threads=1)
     assert not run.failed and run.continued is not None
     soup_run(run_dir, data_root=data_root)
@@ -38,6 +39,17 @@ def test_the_trunk_continued_takes_a_branchs_steps_from_the_trunk(continued_run:
     assert continued["steps"] == branch["steps"] == 3 * 8  # 32 METIS parts, 4 a batch: 8 steps an epoch
     assert trunk["steps"] == 4 * 8 and continued["plan"]["lr"] == branch["plan"]["lr"]
     assert continued["seed"] not in (branch["seed"], trunk["seed"])
+
+
+def test_ingredients_differ_in_their_settings_as_the_recipe_says(continued_run: Path) -> None:
+    trunk = load_state(continued_run / "trunk.safetensors")
+    metas = [json.loads((continued_run / f"ingredient-0{k}.json").read_text()) for k in (0, 1)]
+    assert [meta["settings"]["dropout"] for meta in metas] == [0.5, 0.0]
+    assert metas[1]["settings"]["lr"] == pytest.approx(0.01 * 1e-28) == metas[1]["plan"]["lr"]
+    moved, frozen = (load_state(continued_run / f"ingredient-0{k}.safetensors") for k in (0, 1))
+    assert all(torch.equal(frozen[key], trunk[key]) for key in trunk)  # Adam steps of 1e-30 vanish in float32
+    assert any(not torch.equal(moved[key], trunk[key]) for key in trunk)
+    assert json.loads((continued_run / "run.json").read_text())["recipe"]["branch"]["lr_scale"] == [1.0, 1e-28]
 
 
 def test_the_report_opens_with_what_the_branches_added(continued_run: Path) -> None:

@@ -79,18 +79,41 @@ class BranchConfig:
 
     ``lr``: null means the recipe's ``lr``; ``schedule``: ``constant`` or ``cos`` (cosine decay to 0 over
     ``epochs``); ``keep``: ``best`` validation (early stopping after ``patience``), ``last``, or ``swa``
-    (the mean of the weights after each epoch of the second half).
+    (the mean of the weights after each epoch of the second half). Ingredients may differ in more than their
+    seed, as model soups' fine-tunes do: ingredient k trains with ``dropout[k % n]``, ``weight_decay[k % n]``
+    and the learning rate times ``lr_scale[k % n]`` (each empty: the recipe's value for every ingredient).
     """
 
     lr: float | None = None
     schedule: str = "cos"
     keep: str = "last"
+    dropout: tuple[float, ...] = ()
+    weight_decay: tuple[float, ...] = ()
+    lr_scale: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"branch.lr must be finite and > 0 (or null: the recipe's lr), got {self.lr}")
+        object.__setattr__(self, "dropout", tuple(self.dropout))
+        object.__setattr__(self, "weight_decay", tuple(self.weight_decay))
+        object.__setattr__(self, "lr_scale", tuple(self.lr_scale))
+        if any(not 0.0 <= d < 1.0 for d in self.dropout):
+            raise ValueError(f"branch.dropout values must be in [0, 1), got {list(self.dropout)}")
+        if any(not (math.isfinite(w) and w >= 0) for w in self.weight_decay):
+            raise ValueError(f"branch.weight_decay values must be finite and >= 0, got {list(self.weight_decay)}")
+        if any(not (math.isfinite(s) and s > 0) for s in self.lr_scale):
+            raise ValueError(f"branch.lr_scale values must be finite and > 0, got {list(self.lr_scale)}")
         _check_choice("branch.schedule", self.schedule, LR_SCHEDULES)
         _check_choice("branch.keep", self.keep, BRANCH_KEEPS)
+
+
+@dataclass(frozen=True)
+class IngredientSettings:
+    """What may differ between ingredients of one architecture (:meth:`Recipe.ingredient_settings`)."""
+
+    dropout: float
+    weight_decay: float
+    lr: float
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,14 @@ class Recipe:
     def branch_lr(self) -> float:
         """The ingredients' learning rate: ``branch.lr``, else ``lr``."""
         return self.lr if self.branch.lr is None else self.branch.lr
+
+    def ingredient_settings(self, k: int) -> IngredientSettings:
+        """Ingredient ``k``'s dropout, weight decay and learning rate (see :class:`BranchConfig`)."""
+        def pick(values: tuple[float, ...], default: float) -> float:
+            return values[k % len(values)] if values else default
+        return IngredientSettings(pick(self.branch.dropout, self.dropout),
+                                  pick(self.branch.weight_decay, self.weight_decay),
+                                  self.branch_lr * pick(self.branch.lr_scale, 1.0))
 
     def trunk_view(self) -> ViewConfig:
         """The trunk's view: ``trunk.view``, or ``cluster`` for partition recipes, else the recipe's own view

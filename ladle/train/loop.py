@@ -28,7 +28,7 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe, ViewConfig
+from ladle.core.recipe import IngredientSettings, Recipe, ViewConfig
 from ladle.core.resources import peak_rss_mb
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK
 from ladle.core.seeds import worker_seed
@@ -164,7 +164,15 @@ def plan(recipe: Recipe, task: IngredientTask) -> Plan:
     if task.role == BASELINE:
         return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
     keep = "best" if task.role == CONTINUED else recipe.branch.keep
-    return Plan(recipe.epochs, recipe.branch_lr, recipe.branch.schedule, keep, recipe.patience)
+    return Plan(recipe.epochs, task_settings(recipe, task).lr, recipe.branch.schedule, keep, recipe.patience)
+
+
+def task_settings(recipe: Recipe, task: IngredientTask) -> IngredientSettings:
+    """Dropout, weight decay and branch learning rate of a task: an ingredient's own
+    (:meth:`Recipe.ingredient_settings`), the recipe's for every other task."""
+    if task.k is not None:
+        return recipe.ingredient_settings(task.k)
+    return IngredientSettings(recipe.dropout, recipe.weight_decay, recipe.branch_lr)
 
 
 def from_trunk(recipe: Recipe, task: IngredientTask) -> bool:
@@ -253,6 +261,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
     files = task.files
     seed = worker_seed(recipe.seed, task.seed_index)
     schedule = plan(recipe, task)
+    settings = task_settings(recipe, task)
     view_config = task_view(recipe, task)
     # the trunk continued goes on with the trunk's batch stream where the trunk left it
     first_view_epoch = recipe.trunk.epochs if task.role == CONTINUED else 0
@@ -263,13 +272,13 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         view = with_backend(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
                                        else 1, recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
-    model = build_model(recipe, data.num_features, data.num_classes)
+    model = build_model(recipe.replace(dropout=settings.dropout), data.num_features, data.num_classes)
     start_state = initial_state(recipe, task)
     if start_state is not None:
         model.load_state_dict(start_state)
     torch.manual_seed(seed)
     model.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=recipe.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=settings.weight_decay)
     if task.progress_path.exists():
         progress, kept = load_progress(task, model, optimizer)
         log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
@@ -338,7 +347,7 @@ def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inpu
         "view_val_acc": progress.best_acc,
         "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
         "metrics_on": "graph" if part_view is None else "part",
-        "plan": asdict(schedule), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
+        "plan": asdict(schedule), "settings": asdict(settings), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
         "start": TRUNK if from_trunk(recipe, task) else task.init,
         "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
         "pid": os.getpid(), "threads": torch.get_num_threads(),
