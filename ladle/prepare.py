@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.prepare``."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value overrides anywhere among the flags
     if args.list or args.prune:
         return _manage_cache(args)
     if args.older_than or args.max_size:

@@ -1,6 +1,7 @@
 """The command lines as a user meets them: bad input gives one line and exit code 2, no traceback."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,11 @@ def test_soup_without_a_run_says_what_to_do(tmp_path: Path) -> None:
     result = run_module("ladle.soup", "--run-dir", str(tmp_path / "none"))
     assert result.returncode == 2
     assert "run directory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_overrides_may_stand_anywhere_among_the_flags(data_root: Path, tmp_path: Path) -> None:
+    result = run_module("ladle.train", "dataset=cora", "--ingredients", "1", "epochs=1", "trunk.epochs=0",
+                        "--data-root", str(data_root), "view.kind=full", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    recipe = json.loads((tmp_path / "run" / "run.json").read_text())["recipe"]
+    assert (recipe["epochs"], recipe["trunk"]["epochs"], recipe["view"]["kind"]) == (1, 0, "full")

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.train``."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value overrides anywhere among the flags
     ray_options = {"address": args.address, "cpus": args.cpus_per_ingredient, "gpus": args.gpus_per_ingredient,
                    "gather": args.gather}
     if args.save_every < 0:
