@@ -19,7 +19,6 @@ trunk of a *-metis recipe, ClusterGCN over the whole-graph shard). Writes ``benc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -43,11 +42,12 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     import torch
 
     from ladle.core.recipe import load_recipe
+    from ladle.core.rundir import TRUNK
     from ladle.graph.datasets import load_dataset
     from ladle.graph.shards import prepare_shards
     from ladle.train.launch import _Worker
     from ladle.train.loop import train_ingredient
-    from ladle.train.task import IngredientTask, trunk_task
+    from ladle.train.task import IngredientTask
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides)
@@ -59,7 +59,7 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     elif mode in ("part", "full-shard"):
         meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(task)
     elif mode == "trunk":
-        trunk = dataclasses.replace(trunk_task(run_dir / mode, ingredients, 0), init="independent")
+        trunk = IngredientTask(None, ingredients, run_dir / mode, "independent", save_every=0, role=TRUNK)
         meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(trunk)
     elif mode in ("before", "full"):
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)

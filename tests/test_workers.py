@@ -11,7 +11,7 @@ from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
 from ladle.train import launch
 from ladle.train.launch import train_ingredients
-from ladle.train.task import ingredient_tasks
+from ladle.train.task import RunSpec
 
 
 def _weights(run_dir: Path, ingredients: int) -> list[dict[str, torch.Tensor]]:
@@ -30,7 +30,7 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
     real_load = launch.load_shard
     monkeypatch.setattr(launch, "load_shard", lambda path: loads.append(Path(path).name) or real_load(path))
     worker = launch._Worker(recipe, str(run.run_dir / "shards"), 1, 0, "cpu")  # in this process: loads are seen
-    for task in ingredient_tasks(run.run_dir, 3, "shared", False, save_every=0):
+    for task in RunSpec(recipe, 3, save_every=0).tasks(run.run_dir):
         worker.run(task)
     assert loads == loaded
     retrained = _weights(run.run_dir, 3)  # retrained here: bitwise what the pool's worker wrote

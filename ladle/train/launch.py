@@ -46,13 +46,7 @@ from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.loop import train_ingredient
 from ladle.train.ray_tasks import import_ray, run_ray
-from ladle.train.task import (
-    INGREDIENT,
-    IngredientTask,
-    check_ingredients,
-    ingredient_tasks,
-    trunk_task,
-)
+from ladle.train.task import INGREDIENT, SAVE_EVERY, IngredientTask, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +121,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       run_dir: str | Path | None = None, init: str = "shared", baseline: bool = False,
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
-                      ray_options: dict[str, Any] | None = None, save_every: int = 10,
+                      ray_options: dict[str, Any] | None = None, save_every: int = SAVE_EVERY,
                       threads: int | None = None, log: tuple[str, ...] = ()) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
@@ -137,26 +131,19 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     ``threads``: torch threads per local worker (default: cores / workers).
     ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.train.curves`).
     """
-    check_ingredients(ingredients)
-    log = tuple(log)
-    check_loggers(log)
+    spec = RunSpec(recipe, ingredients, init, baseline, save_every, tuple(log))
+    check_loggers(spec.log)
     check_backend(recipe.view)
     chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
-    if init not in ("shared", "independent"):
-        raise LadleError(f"init must be 'shared' or 'independent', got {init!r}")
-    if init == "independent" and recipe.trunk.epochs:
-        raise LadleError("--independent-init contradicts trunk.epochs > 0: every ingredient starts from the trunk "
-                         "(drop the flag, or set trunk.epochs=0)")
-    workers = _check_backend(backend, workers, ingredients + int(baseline))
+    workers = _check_backend(backend, workers, len(spec.tasks(Path())))
     device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
     data_root = None if data_root is None else str(data_root)
 
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
-    definition = {"recipe": recipe.to_dict(), "ingredients": ingredients, "init": init, "baseline": baseline}
     _check_creatable(run_path)  # before the (maybe long) preparation
     check_free(run_path)
-    check_same_run(run_path, definition)
+    check_same_run(run_path, spec.definition())
     shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
     try:
         run_path.mkdir(parents=True, exist_ok=True)
@@ -166,7 +153,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
     with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
-        check_same_run(run_path, definition)  # again, now that no one else can write it
+        check_same_run(run_path, spec.definition())  # again, now that no one else can write it
         files = RunDir(run_path)
         graph = shards.meta["graph"]
         torch.manual_seed(recipe.seed)
@@ -175,10 +162,9 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         if partition is not None:
             save_state(files.partition, {"parts": partition})
         shards.link(run_path)
-        run_meta = {
-            "recipe": recipe.to_dict(), "ingredients": ingredients, "workers": workers, "init": init,
-            "baseline": baseline, "device": device, "backend": backend, "save_every": save_every,
-            "log": list(log), "created": dt.datetime.now().isoformat(timespec="seconds"),
+        run_meta = spec.to_json() | {
+            "workers": workers, "device": device, "backend": backend,
+            "created": dt.datetime.now().isoformat(timespec="seconds"),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
             "shards": shards.meta["key"], "status": "running",
@@ -186,8 +172,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
             update_latest(checkpoints_root, run_path)
-        tasks = ingredient_tasks(run_path, ingredients, init, baseline, save_every, log, bool(recipe.trunk.epochs))
-        return _execute(run_path, run_meta, recipe, tasks, workers, data_root, device, backend, ray_options, threads)
+        return _execute(run_path, run_meta, spec, spec.tasks(run_path), workers, data_root, device, backend,
+                        ray_options, threads)
 
 
 def _check_creatable(run_path: Path) -> None:
@@ -210,25 +196,19 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_json(RunDir(run_path).run_json)
-        check_loggers(run_meta.get("log", ()))
-        recipe = recipe_from_dict(run_meta["recipe"])
+        spec = RunSpec.from_json(run_meta)
+        check_loggers(spec.log)
         backend = backend or run_meta.get("backend", "local")
-        tasks = _run_tasks(run_path, run_meta, int(run_meta.get("save_every", 10)))
+        tasks = spec.tasks(run_path)
         expected = expected_shapes(run_meta)  # a finished checkpoint that does not load is trained again
         todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
         log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
         data_root = None if data_root is None else str(data_root)
         if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
-            prepare_shards(recipe, run_meta["ingredients"], data_root).link(run_path)
-        return _execute(run_path, run_meta, recipe, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
+            prepare_shards(spec.recipe, spec.ingredients, data_root).link(run_path)
+        return _execute(run_path, run_meta, spec, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
                         ray_options)
-
-
-def _run_tasks(run_path: Path, run_meta: dict[str, Any], save_every: int = 10) -> list[IngredientTask]:
-    """Every task of the run described by ``run_meta`` (its ``run.json``)."""
-    return ingredient_tasks(run_path, run_meta["ingredients"], run_meta["init"], bool(run_meta.get("baseline")),
-                            save_every, tuple(run_meta.get("log", ())), bool(recipe_from_dict(run_meta["recipe"]).trunk.epochs))
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
@@ -242,10 +222,10 @@ def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
     return workers
 
 
-def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: list[IngredientTask], workers: int,
+def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: list[IngredientTask], workers: int,
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
-    files = RunDir(run_path)
+    files, recipe = RunDir(run_path), spec.recipe
 
     def run(batch: list[IngredientTask], processes: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         if not batch:
@@ -257,8 +237,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
 
     results, failed = {}, {}
     if recipe.trunk.epochs and not files.finished(TRUNK):  # once, in one worker, before the branches
-        trunk = trunk_task(run_path, run_meta["ingredients"], int(run_meta.get("save_every", 10)),
-                           tuple(run_meta.get("log", ())))
+        trunk = spec.trunk_task(run_path)
         results, failed = run([trunk], 1)
         if failed:
             log.error("the trunk failed, so no ingredient can branch from it")
@@ -273,7 +252,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], recipe: Recipe, tasks: li
             write_json(files.meta(task.name),
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
     metas = {task.name: read_json(files.meta(task.name))
-             for task in _run_tasks(run_path, run_meta) if files.finished(task.name)}
+             for task in spec.tasks(run_path) if files.finished(task.name)}
     if files.finished(TRUNK):
         metas[TRUNK] = read_json(files.meta(TRUNK))
     metas.update(results)

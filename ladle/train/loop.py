@@ -8,7 +8,7 @@ early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`
 periodic averaging and varrate), the last, or their mean over the second half). Every
 ``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
 The launchers (:mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) build the task list with
-:func:`ingredient_tasks` (and :func:`trunk_task`) and hand each task to :func:`train_ingredient`.
+:class:`~ladle.train.task.RunSpec` and hand each task to :func:`train_ingredient`.
 """
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ladle.core.errors import LadleError
+from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, RunDir, ingredient_name
 
 
@@ -17,6 +19,8 @@ def check_ingredients(ingredients: int) -> None:
 
 INGREDIENT = "ingredient"
 ROLES = (INGREDIENT, BASELINE, TRUNK, CONTINUED)
+INITS = ("shared", "independent")
+SAVE_EVERY = 10  # epochs between resumable training-state checkpoints, unless a run says otherwise
 
 
 @dataclass
@@ -34,7 +38,7 @@ class IngredientTask:
     num_ingredients: int
     run_dir: Path
     init: str  # "shared" | "independent"
-    save_every: int = 10  # epochs between resumable progress checkpoints (0: never)
+    save_every: int = SAVE_EVERY  # epochs between resumable progress checkpoints (0: never)
     log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
     role: str = ""  # empty: ``ingredient`` when ``k`` is given, else ``baseline``
 
@@ -63,18 +67,55 @@ class IngredientTask:
         return self.files.progress(self.name)
 
 
-def ingredient_tasks(run_dir: Path, ingredients: int, init: str, baseline: bool, save_every: int = 10,
-                     log: tuple[str, ...] = (), continued: bool = False) -> list[IngredientTask]:
-    """The tasks of a run after its trunk: ingredients ``0..K-1``, then the trunk continued (``continued``:
-    when the run has a trunk), then the baseline (shared init) when the run has one."""
-    tasks = [IngredientTask(k, ingredients, run_dir, init, save_every, log) for k in range(ingredients)]
-    if continued:
-        tasks.append(IngredientTask(None, ingredients, run_dir, "shared", save_every, log, role=CONTINUED))
-    if baseline:
-        tasks.append(IngredientTask(None, ingredients, run_dir, "shared", save_every, log))
-    return tasks
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run trains, as its ``run.json`` records it: the recipe, ``ingredients`` (K), their ``init``
+    (one shared draw or one each), whether a full-graph ``baseline`` is trained, how often training state is
+    saved (``save_every`` epochs, 0: never) and the curve loggers besides the CSV (``log``)."""
 
+    recipe: Recipe
+    ingredients: int
+    init: str = "shared"
+    baseline: bool = False
+    save_every: int = SAVE_EVERY
+    log: tuple[str, ...] = ()
 
-def trunk_task(run_dir: Path, ingredients: int, save_every: int = 10, log: tuple[str, ...] = ()) -> IngredientTask:
-    """The trunk of a run: trained once from the shared init, before the ingredients that branch from it."""
-    return IngredientTask(None, ingredients, run_dir, "shared", save_every, log, role=TRUNK)
+    def __post_init__(self) -> None:
+        check_ingredients(self.ingredients)
+        if self.init not in INITS:
+            raise LadleError(f"init must be 'shared' or 'independent', got {self.init!r}")
+        if self.init == "independent" and self.recipe.trunk.epochs:
+            raise LadleError("--independent-init contradicts trunk.epochs > 0: every ingredient starts from the "
+                             "trunk (drop the flag, or set trunk.epochs=0)")
+        object.__setattr__(self, "log", tuple(self.log))
+
+    def definition(self) -> dict[str, Any]:
+        """What makes two runs the same run (a run directory holds one)."""
+        return {"recipe": self.recipe.to_dict(), "ingredients": self.ingredients, "init": self.init,
+                "baseline": self.baseline}
+
+    def to_json(self) -> dict[str, Any]:
+        """The entries of ``run.json`` this spec owns."""
+        return self.definition() | {"save_every": self.save_every, "log": list(self.log)}
+
+    @classmethod
+    def from_json(cls, run: dict[str, Any]) -> RunSpec:
+        """The spec a ``run.json`` records."""
+        return cls(recipe_from_dict(run["recipe"]), int(run["ingredients"]), run["init"], bool(run.get("baseline")),
+                   int(run.get("save_every", SAVE_EVERY)), tuple(run.get("log", ())))
+
+    def trunk_task(self, run_dir: Path) -> IngredientTask:
+        """The trunk: trained once from the shared init, before the ingredients that branch from it."""
+        return IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log, TRUNK)
+
+    def tasks(self, run_dir: Path) -> list[IngredientTask]:
+        """What trains after the trunk: ingredients ``0..K-1``, the trunk continued when the recipe has a trunk,
+        then the baseline (shared init) when the run has one."""
+        tasks = [IngredientTask(k, self.ingredients, run_dir, self.init, self.save_every, self.log)
+                 for k in range(self.ingredients)]
+        if self.recipe.trunk.epochs:
+            tasks.append(IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log,
+                                        CONTINUED))
+        if self.baseline:
+            tasks.append(IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log))
+        return tasks
