@@ -24,8 +24,9 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m ladle.train --recipe default --ingredients 8 --baseline
 	$(BIN)/python -m ladle.soup
 
+# Two pytest workers, each test file on one of them (so its module fixtures are built once).
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -m slow

@@ -18,11 +18,12 @@ import torch
 from conftest import TRUNKLESS, run_module
 
 from ladle.core.errors import LadleError, run_cli
-from ladle.core.recipe import load_recipe
+from ladle.core.recipe import ViewConfig, load_recipe
 from ladle.core.rundir import resolve_run_dir, update_latest
 from ladle.core.storage import load_state, save_state
 from ladle.graph.datasets import dataset_identity, load_dataset
 from ladle.graph.shards import load_shard, prepare_shards, shard_key
+from ladle.graph.views import build_view
 from ladle.nn.models import build_model
 from ladle.prepare import cache_entries
 from ladle.prepare import main as prepare_main
@@ -319,3 +320,31 @@ def test_a_real_latest_directory_is_named_not_used(tmp_path: Path, caplog: pytes
     with pytest.raises(LadleError, match="latest is a real directory, not a link to the newest run: remove it"):
         resolve_run_dir(None, root)
     assert resolve_run_dir(stale, root) == stale.resolve()  # named with --run-dir, it is used
+
+
+def test_recipe_aliases_are_refused_and_bad_values_are_cut(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.yaml"  # each level doubles: 30 levels would stand for a billion items
+    bomb.write_text("a0: &a0 [1, 1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 30)))
+    with pytest.raises(LadleError, match=r"not valid YAML: aliases \(\*name\) are not allowed in a recipe"):
+        load_recipe(str(bomb))
+    with pytest.raises(LadleError, match="not valid YAML: aliases"):
+        load_recipe(None, ["hidden=&x [1, *x]"])
+    with pytest.raises(LadleError) as error:
+        load_recipe(None, ["hidden=" + "x" * 100_000])
+    assert len(str(error.value)) < 200 and str(error.value).endswith("...")
+
+
+@pytest.mark.parametrize("kind", ["saint-node", "saint-rw"])
+def test_a_saint_batch_is_capped_at_the_graph(cora_data, kind: str) -> None:
+    view = build_view(cora_data, ViewConfig(kind=kind, batch_size=100_000_000), 0, 1, 0)
+    assert view.budget == cora_data.num_nodes
+    assert next(iter(view.batches(0))).num_nodes <= cora_data.num_nodes
+
+
+def test_a_folder_of_the_users_own_files_is_not_a_run_directory(tmp_path: Path) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "report.md").write_text("my notes")
+    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "--run-dir", str(folder))
+    assert result.returncode == 2 and "holds files but no ladle run (report.md): choose a new or empty" in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["report.md"] and (folder / "report.md").read_text() == "my notes"

@@ -202,9 +202,26 @@ def _is_file_name(name: str) -> bool:
             and name.isprintable())
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without aliases: a recipe is a few keys, and nested aliases expand exponentially
+    (a 623-byte file can stand for gigabytes)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a recipe",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error names a bad value, it does not print a huge one."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise ValueError(f"{key} must be one of {', '.join(choices)}; got {_shown(value)}")
 
 
 def _plain(value: Any) -> Any:
@@ -220,7 +237,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise LadleError(f"recipe key '{key}' must be a mapping, got {value!r}")
+            raise LadleError(f"recipe key '{key}' must be a mapping, got {_shown(value)}")
         return _build(hint, value, prefix=f"{key}.")
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):
@@ -230,27 +247,27 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 return _coerce(key, value, option)
             except LadleError:
                 continue
-        raise LadleError(f"recipe key '{key}' has a value of the wrong type: {value!r}")
+        raise LadleError(f"recipe key '{key}' has a value of the wrong type: {_shown(value)}")
     if origin is tuple:
         (item_hint, _ellipsis) = typing.get_args(hint)
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise LadleError(f"recipe key '{key}' must be a list, got {value!r}")
+            raise LadleError(f"recipe key '{key}' must be a list, got {_shown(value)}")
         return tuple(_coerce(key, item, item_hint) for item in value)
     if hint is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
             number = float(value)  # ints, and strings: YAML 1.1 reads 1e-3 (no dot) as a string
         except ValueError:
-            raise LadleError(f"recipe key '{key}' must be of type float, got {value!r}") from None
+            raise LadleError(f"recipe key '{key}' must be of type float, got {_shown(value)}") from None
         except OverflowError:  # an int beyond float's range
             number = math.inf
         if not math.isfinite(number):
-            raise LadleError(f"recipe key '{key}' must be a finite number, got {value!r}")
+            raise LadleError(f"recipe key '{key}' must be a finite number, got {_shown(value)}")
         return number
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         name = getattr(hint, "__name__", str(hint))
-        raise LadleError(f"recipe key '{key}' must be of type {name}, got {value!r}")
+        raise LadleError(f"recipe key '{key}' must be of type {name}, got {_shown(value)}")
     return value
 
 
@@ -311,7 +328,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise LadleError(f"override '{pair}' is not of the form key=value")
-        _merge(result, key.strip(), yaml.safe_load(raw) if raw else "")
+        try:
+            value = yaml.load(raw, Loader=_RecipeLoader) if raw else ""  # noqa: S506 (a SafeLoader)
+        except yaml.YAMLError as error:
+            raise LadleError(f"override '{_shown(pair)[1:-1]}' is not valid YAML: {str(error).splitlines()[0]}") from None
+        _merge(result, key.strip(), value)
     return result
 
 
@@ -330,7 +351,7 @@ def load_recipe(recipe: str | None = None, overrides: list[str] | dict[str, Any]
     if recipe is not None:
         path = resolve_recipe_path(recipe)
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as error:
             first = str(error).splitlines()[0]
             raise LadleError(f"recipe {path} is not valid YAML: {first}") from None

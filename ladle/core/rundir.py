@@ -257,9 +257,15 @@ def _owner(fd: int) -> str:
 
 def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
     """Refuse to train ``run`` (``recipe``, ``ingredients``, ``init``, ``baseline``) into a directory whose
-    ``run.json`` holds another run: only ``--resume`` continues one."""
+    ``run.json`` holds another run (only ``--resume`` continues one), or that holds files of anything but a
+    ladle run (a user's folder: nothing of it is replaced)."""
     files = RunDir(run_dir)
     if not files.run_json.is_file():
+        ours = {files.lock.name, files.init.name, files.partition.name, files.shards.name}  # before run.json
+        foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in ours) if run_dir.is_dir() else []
+        if foreign:
+            raise LadleError(f"run directory {run_dir} holds files but no ladle run ({', '.join(foreign[:3])}"
+                             f"{', ...' if len(foreign) > 3 else ''}): choose a new or empty --run-dir")
         return
     existing = read_json(files.run_json)
     differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"

@@ -252,7 +252,7 @@ class SaintView(IngredientView):
         nodes_per_sample = min(_SAINT_MAX_NODES, max(1, math.ceil(num_nodes / 4)))
         if self.kind == "saint-node":
             self.node_weight = (self.adj.deg + 1).double()
-            self.budget = config.batch_size or nodes_per_sample
+            self.budget = min(config.batch_size or nodes_per_sample, num_nodes)  # more draws than nodes: no more nodes
             nodes_per_sample = self.budget
         elif self.kind == "saint-edge":
             canonical = self.adj.src < self.adj.dst
@@ -264,7 +264,7 @@ class SaintView(IngredientView):
             self.budget = min(config.batch_size or math.ceil(nodes_per_sample / 2), self.pairs.size(1))
             nodes_per_sample = 2 * self.budget
         else:
-            self.budget = config.batch_size or math.ceil(nodes_per_sample / (config.walk_length + 1))
+            self.budget = min(config.batch_size or math.ceil(nodes_per_sample / (config.walk_length + 1)), num_nodes)
             nodes_per_sample = self.budget * (config.walk_length + 1)
         self._steps = config.steps_per_epoch or math.ceil(num_nodes / min(nodes_per_sample, num_nodes))
         self.loss_weight, self.edge_weight = self._normalisation(num_train)
