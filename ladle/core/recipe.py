@@ -86,7 +86,7 @@ class BranchConfig:
 
     lr: float | None = None
     schedule: str = "cos"
-    keep: str = "best"
+    keep: str = "last"
     dropout: tuple[float, ...] = ()
     weight_decay: tuple[float, ...] = ()
     lr_scale: tuple[float, ...] = ()
