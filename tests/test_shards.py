@@ -18,7 +18,7 @@ from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
 from ladle.graph.inputs import graph_inputs
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
-from ladle.graph.views import build_view
+from ladle.graph.views import batch_graph, build_view
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.models import build_model
 from ladle.nn.scoring import recompute_batch_norm
@@ -166,3 +166,14 @@ def test_layerwise_inference_equals_the_full_forward(cora_data, model: str) -> N
     recompute_batch_norm(net, inputs)  # one train-mode pass over all nodes; layer-wise is within rounding of it
     expected = net(inputs)
     assert torch.allclose(inference.logits(net, bn_nodes=torch.arange(cora_data.num_nodes)), expected, atol=1e-2)
+
+
+def test_sampled_batches_read_bag_of_words_features_from_their_non_zeros(data_root: Path) -> None:
+    shard = load_shard(prepare_shards(load_recipe(None, list(TRUNKLESS)), 2, data_root).graph())
+    rows = shard.feature_rows()
+    assert shard.meta["sparse_features"] and rows is not None  # Cora's bag of words
+    nodes = torch.tensor([5, 0, 2707, 5, 1234])
+    assert torch.equal(rows(nodes), shard.data.x[nodes])
+    shard.data.feature_rows = rows
+    batch = batch_graph(shard.data, nodes, torch.empty(2, 0, dtype=torch.long), torch.ones(5, dtype=torch.bool))
+    assert torch.equal(batch.x, shard.data.x[nodes])

@@ -50,7 +50,7 @@ from ladle.graph.datasets import (
 )
 from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.graph.partition import InEdges, part_subgraph
-from ladle.graph.sparse import SparseMatrix
+from ladle.graph.sparse import CSRRows, SparseMatrix
 from ladle.graph.views import FullView, IngredientView, build_view
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,12 @@ class Shard:
         features = SparseMatrix(row, self.arrays["x_col"], self.arrays["x_value"], tuple(self.data.x.shape))
         adj = adjacency(self.data.edge_index, self.data.num_nodes, model, degree=self.data.get("degree"))
         return GraphInputs(features, adj, self.data.num_nodes)
+
+    def feature_rows(self) -> CSRRows | None:
+        """Rows of the features from their stored non-zeros (bag-of-words shards), else None."""
+        if not self.meta["sparse_features"]:
+            return None
+        return CSRRows(self.arrays["x_rowptr"], self.arrays["x_col"], self.arrays["x_value"], tuple(self.data.x.shape))
 
     def view(self, config: ViewConfig, seed: int) -> IngredientView:
         """The static view of a part shard: the part is the whole graph its ingredient trains on."""

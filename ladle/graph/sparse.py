@@ -74,3 +74,22 @@ def select(matrix: SparseMatrix, nodes: Tensor) -> SparseMatrix:
     position[nodes] = torch.arange(nodes.numel())
     keep = (position[row] >= 0) & (position[col] >= 0)
     return SparseMatrix(position[row[keep]], position[col[keep]], coo.values()[keep], (nodes.numel(), nodes.numel()))
+
+
+class CSRRows:
+    """Dense rows of a CSR matrix held as its three arrays (e.g. bag-of-words features memory-mapped from a
+    shard): gathering a batch of rows reads only their non-zeros, never the dense matrix."""
+
+    def __init__(self, rowptr: Tensor, col: Tensor, value: Tensor, shape: tuple[int, int]) -> None:
+        self.rowptr, self.col, self.value, self.shape = rowptr, col, value, shape
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        """``dense[rows]`` of the matrix, as a dense float tensor."""
+        start, count = self.rowptr[rows], self.rowptr[rows + 1] - self.rowptr[rows]
+        total = int(count.sum())
+        owner = torch.repeat_interleave(torch.arange(rows.numel()), count)
+        first = torch.cumsum(count, 0) - count  # where each row's entries begin in the gathered arrays
+        offsets = start[owner] + torch.arange(total) - first[owner]
+        out = torch.zeros(rows.numel(), self.shape[1], dtype=self.value.dtype)
+        out[owner, self.col[offsets]] = self.value[offsets]
+        return out

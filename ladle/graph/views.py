@@ -67,8 +67,11 @@ def _chunks(num_items: int, chunk: int, steps: int, generator: torch.Generator) 
 
 
 def batch_graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Tensor | None) -> Data:
-    """A batch over ``nodes`` (global ids) with local ``edge_index``; ``None`` extras are left out."""
-    return Data(x=data.x[nodes], y=data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(),
+    """A batch over ``nodes`` (global ids) with local ``edge_index``; ``None`` extras are left out. A graph
+    carrying ``feature_rows`` (:class:`~ladle.graph.sparse.CSRRows` of its bag-of-words features) gives the
+    batch's features from their non-zeros, so a worker never pages in the whole dense feature matrix."""
+    rows = data.get("feature_rows")
+    return Data(x=rows(nodes) if rows is not None else data.x[nodes], y=data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(),
                 n_id=nodes, loss_mask=loss_mask, **extra)
 
 

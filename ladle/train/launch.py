@@ -88,9 +88,11 @@ class _Worker:
         self._graph: tuple[Data, GraphInputs] | None = None
 
     def graph(self) -> tuple[Data, GraphInputs]:
-        """The whole graph (memory-mapped) and its inputs, loaded on first use and kept."""
+        """The whole graph (memory-mapped) and its inputs, loaded on first use and kept; sampled batches read
+        bag-of-words features from their stored non-zeros (:meth:`~ladle.graph.shards.Shard.feature_rows`)."""
         if self._graph is None:
             shard = load_shard(self.shards.graph())
+            shard.data.feature_rows = shard.feature_rows()
             self._graph = shard.data, shard.inputs(self.recipe.model)
         return self._graph
 
