@@ -12,7 +12,7 @@ import torch
 from ladle.core.recipe import Recipe, load_recipe
 from ladle.core.storage import load_state
 from ladle.soup.pipeline import parallel_phase, soup_run
-from ladle.soup.report import format_table
+from ladle.soup.report import format_table, trunk_line
 from ladle.train.launch import train_ingredients
 
 
@@ -95,3 +95,13 @@ def test_a_soup_fitted_on_validation_nodes_is_left_out_of_the_best_soup_choice()
 def test_the_embedded_default_is_the_default_recipe_file() -> None:
     assert load_recipe(None) == Recipe() == load_recipe("default")
     assert Recipe().trunk.epochs > 0
+
+
+def test_a_trunk_far_below_the_baseline_is_reported() -> None:
+    report = {"references": [{"name": "trunk", "val_acc": 0.573}, {"name": "baseline", "val_acc": 0.890}],
+              "trunk": {"view": {"kind": "cluster"}}}
+    assert trunk_line(report) == ("warning: the trunk validates 31.7 points below the full-graph baseline (cluster "
+                                  "failed on this graph); where one worker holds the whole graph, trunk.view=full "
+                                  "avoids it")
+    report["references"][0]["val_acc"] = 0.875
+    assert trunk_line(report) == ""

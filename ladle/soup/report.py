@@ -13,6 +13,7 @@ from ladle.core.storage import atomic_open, save_figure, write_json
 log = logging.getLogger(__name__)
 
 BASIN_POINTS = 1.0  # a larger barrier (validation points) means the ingredients are not in one basin
+TRUNK_GAP_POINTS = 2.0  # a trunk this far below the full-graph baseline on validation failed on its view
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
@@ -50,11 +51,25 @@ def parallel_line(report: dict[str, Any]) -> str:
     return line + ")"
 
 
+def trunk_line(report: dict[str, Any]) -> str:
+    """A warning when the trunk validates more than :data:`TRUNK_GAP_POINTS` below the run's full-graph
+    baseline: its view failed on this graph, and the branches start from that ('' otherwise)."""
+    found = {ref["name"]: ref for ref in report["references"]}
+    if "trunk" not in found or "baseline" not in found:
+        return ""
+    gap = 100 * (found["baseline"]["val_acc"] - found["trunk"]["val_acc"])
+    if gap <= TRUNK_GAP_POINTS:
+        return ""
+    view = (report.get("trunk") or {}).get("view", {}).get("kind", "its view")
+    return (f"warning: the trunk validates {gap:.1f} points below the full-graph baseline ({view} failed on this "
+            "graph); where one worker holds the whole graph, trunk.view=full avoids it")
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned plain-text table."""
-    lines = [parallel_line(report)] if parallel_line(report) else []
-    lines.append(f"{'model':<20}{'val':>8}{'test':>8}  note")
-    lines += [f"{name:<20}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
+    lines = [line for line in (parallel_line(report), trunk_line(report)) if line]
+    lines.append(f"{'model':<24}{'val':>8}{'test':>8}  note")
+    lines += [f"{name:<24}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
     if report.get("missing"):
         lines.append(f"missing or unfinished ingredients: {', '.join(report['missing'])}")
     lines += [f"skipped (--skip-bad): {name}: {why}" for name, why in report.get("skipped", {}).items()]
@@ -82,6 +97,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"# Soup report: {report['dataset']} / {report['model']} / view {report['view']}",
         "",
         *([parallel_line(report)[0].upper() + parallel_line(report)[1:] + ".", ""] if parallel_line(report) else []),
+        *([f"**{trunk_line(report)}.**", ""] if trunk_line(report) else []),
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
         f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
         *([validation_line(report)] if validation_line(report) else []),
