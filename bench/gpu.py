@@ -27,6 +27,9 @@ from ladle.nn.models import build_model
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
 
+# the 0.1 defaults: ingredients straight from the shared init (the embedded default now has a trunk)
+TRUNKLESS = ["trunk.epochs=0", "branch.schedule=constant", "branch.keep=best"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -50,7 +53,7 @@ def main() -> None:
         raise SystemExit("no CUDA device")
     device = torch.device("cuda")
     data = load_dataset("physics", args.data_root)
-    recipe = load_recipe(None, ["dataset=physics", "view.kind=full"])
+    recipe = load_recipe(None, [*TRUNKLESS, "dataset=physics", "view.kind=full"])
     model = build_model(recipe, data.num_features, data.num_classes).to(device)
     inputs = graph_inputs(data, "gcn").to(device)
     y, train = data.y.to(device), data.train_mask.to(device)

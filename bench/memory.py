@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the 0.1 defaults: ingredients straight from the shared init (the embedded default now has a trunk)
+TRUNKLESS = ["trunk.epochs=0", "branch.schedule=constant", "branch.keep=best"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -95,8 +98,8 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--part", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    overrides = [f"dataset={args.dataset}", "view.kind=metis", f"epochs={args.epochs}", f"patience={args.epochs}",
-                 f"view.balance={args.balance}"]
+    overrides = [*TRUNKLESS, f"dataset={args.dataset}", "view.kind=metis", f"epochs={args.epochs}",
+                 f"patience={args.epochs}", f"view.balance={args.balance}"]
     if args.child:
         trunk = [f"trunk.epochs={args.epochs}"] if args.child == "trunk" else []
         print(json.dumps(child(args.child, args.run_dir, overrides + trunk, args.ingredients, args.part,

@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the 0.1 defaults: ingredients straight from the shared init (the embedded default now has a trunk)
+TRUNKLESS = ["trunk.epochs=0", "branch.schedule=constant", "branch.keep=best"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +123,8 @@ def stage(name: str, command: list[str]) -> dict[str, Any]:
 def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     """The three stages for one graph size."""
     spec = f"synthetic:nodes={nodes},degree={args.degree},features={args.features},classes={args.classes}"
-    recipe = [f"dataset={spec}", f"view.kind={args.view}", f"epochs={args.epochs}", f"patience={args.epochs}"]
+    recipe = [*TRUNKLESS, f"dataset={spec}", f"view.kind={args.view}", f"epochs={args.epochs}",
+              f"patience={args.epochs}"]
     if args.view == "metis":
         recipe.append(f"view.balance={args.balance}")
     run_dir = args.out / f"n{nodes}"

@@ -42,6 +42,9 @@ from ladle.train.launch import train_ingredients
 from ladle.train.loop import train_ingredient
 from ladle.train.task import IngredientTask
 
+# the 0.1 defaults: ingredients straight from the shared init (the embedded default now has a trunk)
+TRUNKLESS = ["trunk.epochs=0", "branch.schedule=constant", "branch.keep=best"]
+
 CONFIGS = [("1 worker x 1 thread", 1, 1), ("1 worker x 2 threads", 1, 2), ("2 workers x 1 thread", 2, 1)]
 SECTIONS = ("workers", "epoch", "backends")
 SAMPLED_KINDS = ("cluster", "saint-node", "saint-edge", "saint-rw", "neighbor")
@@ -84,7 +87,8 @@ def plain_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> flo
 
 def ladle_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> float:
     """Seconds per epoch of ladle's ingredient loop on the full graph (input preparation included)."""
-    recipe = load_recipe(None, [f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"])
+    recipe = load_recipe(None, [*TRUNKLESS, f"dataset={dataset}", "view.kind=full", f"epochs={epochs}",
+                                f"patience={epochs}"])
     data = load_dataset(dataset, data_root, recipe.split, recipe.features)
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
@@ -94,7 +98,7 @@ def ladle_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> flo
 
 def backend_seconds(dataset: str, data: Data, kind: str, backend: str, epochs: int) -> dict[str, float]:
     """One sampled view of ``kind`` under ``backend``: setup s, sampling s/epoch, training s/epoch."""
-    recipe = load_recipe(None, [f"dataset={dataset}", f"view.kind={kind}", f"view.backend={backend}",
+    recipe = load_recipe(None, [*TRUNKLESS, f"dataset={dataset}", f"view.kind={kind}", f"view.backend={backend}",
                                 f"epochs={epochs}", f"patience={epochs}"])
     start = time.perf_counter()
     view = with_backend(build_view(data, recipe.view, 0, 1, recipe.seed))
@@ -154,7 +158,7 @@ def main() -> None:
                      "|---|---|---|---|---|"]
     for i, dataset in enumerate(args.datasets):
         epochs = args.epochs[min(i, len(args.epochs) - 1)]
-        recipe = load_recipe(None, [f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"])
+        recipe = load_recipe(None, [*TRUNKLESS, f"dataset={dataset}", "view.kind=full", f"epochs={epochs}", f"patience={epochs}"])
         base = None
         for label, workers, threads in CONFIGS if "workers" in args.sections else ():
             with tempfile.TemporaryDirectory() as scratch:
