@@ -49,7 +49,7 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     from ladle.graph.datasets import load_dataset
     from ladle.graph.shards import prepare_shards
     from ladle.train.launch import _Worker
-    from ladle.train.loop import train_ingredient
+    from ladle.train.loop import train_task
     from ladle.train.task import IngredientTask
 
     torch.set_num_threads(1)
@@ -66,7 +66,7 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
         meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(trunk)
     elif mode in ("before", "full"):
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
-        meta = train_ingredient(recipe, data, task)
+        meta = train_task(recipe, data, task)
     return {"mode": mode, "k": k, "peak_mb": own_peak_mb(), "seconds": time.perf_counter() - start,
             "nodes": meta.get("view", {}).get("nodes"), "epochs": meta.get("epochs_run"),
             "test_acc": meta.get("test_acc"), "metrics_on": meta.get("metrics_on")}

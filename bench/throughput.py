@@ -39,7 +39,7 @@ from ladle.graph.datasets import load_dataset
 from ladle.graph.pyg_views import with_backend
 from ladle.graph.views import build_view
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.task import IngredientTask
 
 # the 0.1 defaults: ingredients straight from the shared init (the embedded default now has a trunk)
@@ -92,7 +92,7 @@ def ladle_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> flo
     data = load_dataset(dataset, data_root, recipe.split, recipe.features)
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
-        train_ingredient(recipe, data, IngredientTask(0, 1, Path(scratch), "independent", save_every=0))
+        train_task(recipe, data, IngredientTask(0, 1, Path(scratch), "independent", save_every=0))
         return (time.perf_counter() - start) / epochs
 
 
@@ -110,7 +110,7 @@ def backend_seconds(dataset: str, data: Data, kind: str, backend: str, epochs: i
     sample = (time.perf_counter() - start) / epochs
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
-        train_ingredient(recipe, data, IngredientTask(0, 1, Path(scratch), "independent", save_every=0))
+        train_task(recipe, data, IngredientTask(0, 1, Path(scratch), "independent", save_every=0))
         train = (time.perf_counter() - start) / epochs
     return {"setup_s": setup, "sample_s_per_epoch": sample, "train_s_per_epoch": train}
 

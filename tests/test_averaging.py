@@ -12,7 +12,7 @@ from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, save_state
 from ladle.nn.models import build_model
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.periodic import average_models, train_with_averaging
 from ladle.train.task import IngredientTask
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_averaging_every_epoch_with_one_trainer_is_plain_training(cora_data, tmp_path: Path) -> None:
-    """Same seed, view, init and epochs: bitwise the weights of ``train_ingredient`` (its ingredient 0 of 1).
+    """Same seed, view, init and epochs: bitwise the weights of ``train_task`` (its ingredient 0 of 1).
 
     With K = 1 the average is the model itself, and validating every epoch picks the same best epoch.
     """
@@ -28,7 +28,7 @@ def test_averaging_every_epoch_with_one_trainer_is_plain_training(cora_data, tmp
     torch.manual_seed(recipe.seed)  # the shared init, as ladle.train.launch writes it
     save_state(tmp_path / "init.safetensors", build_model(recipe, cora_data.num_features,
                                                           cora_data.num_classes).state_dict())
-    plain = train_ingredient(recipe, cora_data, IngredientTask(0, 1, tmp_path, "shared"))
+    plain = train_task(recipe, cora_data, IngredientTask(0, 1, tmp_path, "shared"))
     averaged = train_with_averaging(recipe, cora_data, ingredients=1, average_every=1, run_dir=tmp_path)
     expected, got = load_state(tmp_path / "ingredient-00.safetensors"), load_state(tmp_path / "averaged.safetensors")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

@@ -19,7 +19,7 @@ from ladle.soup.methods import chosen_methods
 from ladle.soup.pipeline import planned_scorings, soup_run
 from ladle.train import loop as engine
 from ladle.train.curves import COLUMNS, check_loggers, merge_metrics
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.task import IngredientTask
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -110,7 +110,7 @@ def test_tensorboard_event_files_read_back_as_the_csv(cli_run) -> None:
 def test_resume_keeps_earlier_rows_and_writes_each_epoch_once(cora_data, tmp_path: Path, monkeypatch,
                                                                one_thread) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=12", "patience=100"])
-    whole = train_ingredient(recipe, cora_data, IngredientTask(0, 2, tmp_path / "whole", "independent", 5))
+    whole = train_task(recipe, cora_data, IngredientTask(0, 2, tmp_path / "whole", "independent", 5))
     evaluate, calls = engine.evaluate, []
 
     def crash_at_epoch_7(*args, **kwargs):
@@ -122,11 +122,11 @@ def test_resume_keeps_earlier_rows_and_writes_each_epoch_once(cora_data, tmp_pat
     task = IngredientTask(0, 2, tmp_path / "resumed", "independent", 5)
     monkeypatch.setattr(engine, "evaluate", crash_at_epoch_7)
     with pytest.raises(RuntimeError, match="killed"):
-        train_ingredient(recipe, cora_data, task)
+        train_task(recipe, cora_data, task)
     part = tmp_path / "resumed" / "metrics-ingredient-00.csv"
     assert [row["epoch"] for row in rows_of(part)] == [str(e) for e in range(7)]  # epochs 5, 6 will run again
     monkeypatch.setattr(engine, "evaluate", evaluate)
-    resumed = train_ingredient(recipe, cora_data, task)
+    resumed = train_task(recipe, cora_data, task)
     assert resumed["epochs_run"] == whole["epochs_run"] == 12
     merge_metrics(tmp_path / "resumed")
     merge_metrics(tmp_path / "whole")

@@ -126,3 +126,37 @@ def test_a_planted_lock_link_is_not_followed(tmp_path: Path) -> None:
         with lock_run_dir(run, "ladle.train"):
             pass
     assert target.read_text() == "keep"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "ladle.train", "-k", "2", "--workers", "2", *TRUNKLESS,
+                                 "view.kind=saint-rw", "epochs=100000", "patience=100000", "--data-root",
+                                 str(data_root), "--run-dir", str(run)], cwd=PROJECT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(run.glob("metrics-ingredient-*.csv"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.splitlines()
+        workers = [int(line.split()[0]) for line in children if "spawn_main" in line]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers), children
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, not its process group
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers), "a worker outlived its launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)

@@ -24,7 +24,7 @@ from ladle.nn.models import build_model
 from ladle.nn.scoring import recompute_batch_norm
 from ladle.prepare import main as prepare_main
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.task import IngredientTask
 
 METIS_2 = ["view.kind=metis", "epochs=100"]
@@ -142,7 +142,7 @@ def test_train_ingredients_from_shards_matches_the_whole_graph_path(data_root: P
             reference.mkdir(exist_ok=True)
             for name in ("init.safetensors", "partition.safetensors"):
                 (reference / name).write_bytes((tmp_path / "run" / name).read_bytes())
-            train_ingredient(recipe, cora_data, IngredientTask(task.k, 2, reference, "shared"))
+            train_task(recipe, cora_data, IngredientTask(task.k, 2, reference, "shared"))
             expected = load_state(reference / f"{task.name}.safetensors")
             assert all(torch.equal(expected[key], state[key]) for key in state), task.name
     finally:

@@ -12,7 +12,7 @@ from conftest import TRUNKLESS
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.task import IngredientTask
 
 # (view kind, K, floor on full-graph test accuracy after 100 epochs; the majority class is 0.32). Partition views use K = 2 so
@@ -27,7 +27,7 @@ VIEW_FLOORS = [
 def test_every_view_trains_a_gcn_above_its_floor(cora_data, tmp_path: Path, kind: str, ingredients: int,
                                                  floor: float) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, f"view.kind={kind}", "epochs=100"])
-    meta = train_ingredient(recipe, cora_data, IngredientTask(1, ingredients, tmp_path, "independent"))
+    meta = train_task(recipe, cora_data, IngredientTask(1, ingredients, tmp_path, "independent"))
     assert meta["test_acc"] >= floor, meta
     assert meta["status"] == "done" and (tmp_path / "ingredient-01.safetensors").is_file()
     assert json.loads((tmp_path / "ingredient-01.json").read_text())["view"]["kind"] == kind
@@ -36,13 +36,13 @@ def test_every_view_trains_a_gcn_above_its_floor(cora_data, tmp_path: Path, kind
 @pytest.mark.parametrize("model, extra", [("sage", []), ("gat", ["lr=0.005", "dropout=0.6"])])
 def test_every_architecture_trains(cora_data, tmp_path: Path, model: str, extra: list[str]) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, f"model={model}", "view.kind=full", "epochs=60", *extra])
-    meta = train_ingredient(recipe, cora_data, IngredientTask(0, 1, tmp_path, "independent"))
+    meta = train_task(recipe, cora_data, IngredientTask(0, 1, tmp_path, "independent"))
     assert meta["test_acc"] >= 0.75, meta
 
 
 def _weights(cora_data, run_dir: Path, k: int) -> dict[str, torch.Tensor]:
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=15"])
-    train_ingredient(recipe, cora_data, IngredientTask(k, 4, run_dir, "independent"))
+    train_task(recipe, cora_data, IngredientTask(k, 4, run_dir, "independent"))
     return load_state(run_dir / f"ingredient-{k:02d}.safetensors")
 
 

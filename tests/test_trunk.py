@@ -14,7 +14,7 @@ from ladle.core.storage import load_state, save_state
 from ladle.nn.models import build_model
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import MIN_SELECTION_NODES, train_ingredient
+from ladle.train.loop import MIN_SELECTION_NODES, train_task
 from ladle.train.task import IngredientTask
 
 # A branch learning rate so small that Adam's steps vanish below float32 resolution: branches end where they start.
@@ -84,7 +84,7 @@ def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "epochs=3", "patience=1"])
     torch.manual_seed(recipe.seed)
     save_state(tmp_path / "init.safetensors", build_model(recipe, cora_data.num_features, 7).state_dict())
-    meta = train_ingredient(recipe, cora_data, IngredientTask(0, 16, tmp_path, "shared"))  # about 31 val nodes
+    meta = train_task(recipe, cora_data, IngredientTask(0, 16, tmp_path, "shared"))  # about 31 val nodes
     assert meta["view_val_nodes"] < MIN_SELECTION_NODES
     assert meta["keep"] == "last" and f"< {MIN_SELECTION_NODES}" in meta["keep_reason"]
     assert meta["epochs_run"] == 3  # no early stopping without selection

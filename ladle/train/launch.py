@@ -9,10 +9,13 @@ group, no messages; each writes its own checkpoint and returns its metadata.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import ctypes
 import datetime as dt
 import logging
 import multiprocessing as mp
 import os
+import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +47,12 @@ from ladle.nn.models import build_model
 from ladle.nn.saved import expected_shapes, verify_finished
 from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import INGREDIENT, SAVE_EVERY, IngredientTask, RunSpec
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -100,17 +104,27 @@ class _Worker:
         """Train ``task`` on its part shard alone (partition views) or on the whole graph."""
         if task.role == INGREDIENT and self.shards.partitioned:
             shard = load_shard(self.shards.part(task.k))
-            return train_ingredient(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
+            return train_task(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
                                     self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
         data, full_inputs = self.graph()
-        return train_ingredient(self.recipe, data, task, full_inputs, self.slot, self.device)
+        return train_task(self.recipe, data, task, full_inputs, self.slot, self.device)
 
 
 _worker: _Worker | None = None  # one per worker process, set by the pool initialiser
 
 
+def _die_with_launcher() -> None:
+    """On Linux, ask the kernel to SIGTERM this worker when its launcher dies (killed, even by SIGKILL), so no
+    worker trains on, orphaned, into a run whose lock is gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the launcher died before the request: nobody is left to train for
+            os._exit(1)
+
+
 def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
     global _worker
+    _die_with_launcher()
     _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
 
 

@@ -8,7 +8,7 @@ early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`
 periodic averaging and varrate), the last, or their mean over the second half). Every
 ``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
 The launchers (:mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) build the task list with
-:class:`~ladle.train.task.RunSpec` and hand each task to :func:`train_ingredient`.
+:class:`~ladle.train.task.RunSpec` and hand each task to :func:`train_task`.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
     return Progress(**json.loads(header["progress"])), best_state
 
 
-def train_ingredient(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
+def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
                      progress_position: int = 0, device: torch.device | str = "cpu",
                      part_view: IngredientView | None = None) -> dict[str, Any]:
     """Train one model of a run as :func:`plan` says; write its kept weights and metadata; return that.

@@ -6,7 +6,7 @@ K-way partition) and every ``average_every`` epochs all weights are replaced by 
 ``θ_k <- (1/K) Σ_j θ_j``; each trainer keeps its own Adam moments. The trainers run in one process in
 lockstep, an in-process stand-in for an all-reduce: each keeps its own RNG stream (saved and restored
 around its epoch), so trainer ``k`` draws exactly the dropout masks that ingredient ``k`` of
-:func:`ladle.train.loop.train_ingredient` draws, and K = 1 trains bitwise like it. Communication is counted
+:func:`ladle.train.loop.train_task` draws, and K = 1 trains bitwise like it. Communication is counted
 as a ring all-reduce would send it (:func:`ladle.core.collectives.ring_allreduce_bytes`, the convention of
 ``ladle.varrate``): about ``2 (K - 1) / K`` model sizes per trainer, exactly ``2 (K - 1) × model_bytes``
 over all trainers per average (model bytes: every floating-point entry of the state dict).
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class _Trainer:
-    """One of the K trainers: its view, model, optimiser and RNG stream (as ``train_ingredient`` sets them)."""
+    """One of the K trainers: its view, model, optimiser and RNG stream (as ``train_task`` sets them)."""
 
     def __init__(self, recipe: Recipe, data: Data, view: IngredientView, init: StateDict,
                  full_inputs: GraphInputs) -> None:

@@ -2,7 +2,7 @@
 
 Tasks never talk to each other, exactly as on the local backend. A Ray worker process loads the
 dataset once and keeps it for the next ingredient it is given, uses ``--cpus-per-ingredient``
-threads, and calls :func:`ladle.train.loop.train_ingredient` like a local worker does, so the same seed
+threads, and calls :func:`ladle.train.loop.train_task` like a local worker does, so the same seed
 gives bit-identical weights on both backends. (Not yet for ``view.kind=metis``/``cluster``: METIS draws
 from libc's process-wide ``rand()``, which Ray's own threads also call, so a partition computed inside
 a Ray worker can differ from run to run.)
@@ -43,7 +43,7 @@ from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import atomic_open, write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.inputs import GraphInputs, graph_inputs
-from ladle.train.loop import train_ingredient
+from ladle.train.loop import train_task
 from ladle.train.task import INGREDIENT, IngredientTask
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, dev
     try:
         data, full_inputs = _worker_graph(recipe.dataset, recipe.split, recipe.features, data_root, recipe.model)
         if not gather:
-            return train_ingredient(recipe, data, task, full_inputs, 0, device), None
+            return train_task(recipe, data, task, full_inputs, 0, device), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
             local = RunDir(Path(scratch))
             if init_bytes is not None:
@@ -119,7 +119,7 @@ def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, dev
             if trunk_bytes is not None:
                 local.weights(TRUNK).write_bytes(trunk_bytes)
             inputs = {local.init, local.weights(TRUNK)} if trunk_bytes is not None else {local.init}
-            meta = train_ingredient(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
+            meta = train_task(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
             return meta, {str(path.relative_to(local.path)): path.read_bytes()
                           for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
     except (FloatingPointError, LadleError) as error:
