@@ -18,7 +18,7 @@ the per-epoch metric reduction and the setup (partition broadcast, size table). 
 for halos, ``all_reduce`` for gradients and metrics.
 
 Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,
-exchange, byte accounting), :mod:`~ladle.varrate.engine` (one rank's model and loop),
+exchange, byte accounting), :mod:`~ladle.varrate.trainer` (one rank's model and loop),
 :mod:`~ladle.varrate.ranks` (process group, spawned or torchrun ranks), :mod:`~ladle.varrate.cli`.
 The report (accuracy against bytes) is written by :func:`ladle.varrate.report.write_bytes_report`.
 """
@@ -26,46 +26,46 @@ from __future__ import annotations
 
 from ladle.varrate.cli import build_parser, main
 from ladle.varrate.compression import (
-                                       COMPRESSORS,
-                                       SCHEDULES,
-                                       Compressor,
-                                       Int8,
-                                       RandomMask,
-                                       RateSchedule,
-                                       Truncate,
-                                       build_compressor,
-                                       kept_columns,
+    COMPRESSORS,
+    SCHEDULES,
+    Compressor,
+    Int8,
+    RandomMask,
+    RateSchedule,
+    Truncate,
+    build_compressor,
+    kept_columns,
 )
 from ladle.varrate.halo import (
-                                       HaloExchange,
-                                       HaloPlan,
-                                       PeerFailure,
-                                       Traffic,
-                                       build_plan,
-                                       collective,
-                                       exchange_key,
-                                       partition_nodes,
+    HaloExchange,
+    HaloPlan,
+    PeerFailure,
+    Traffic,
+    build_plan,
+    collective,
+    exchange_key,
+    partition_nodes,
 )
 from ladle.varrate.ranks import (
-                                       check_inputs,
-                                       free_port,
-                                       init_group,
-                                       load_rank_data,
-                                       rank_device,
-                                       run_rank,
-                                       run_spawned,
-                                       run_torchrun,
+    check_inputs,
+    free_port,
+    init_group,
+    load_rank_data,
+    rank_device,
+    run_rank,
+    run_spawned,
+    run_torchrun,
 )
 from ladle.varrate.trainer import (
-                                       EVAL_EVERY,
-                                       SUPPORTED_MODELS,
-                                       RankData,
-                                       VarrateOptions,
-                                       allreduce_gradients,
-                                       check_model,
-                                       partition_forward,
-                                       partition_loss,
-                                       train_partition,
+    EVAL_EVERY,
+    SUPPORTED_MODELS,
+    RankData,
+    VarrateOptions,
+    allreduce_gradients,
+    check_model,
+    partition_forward,
+    partition_loss,
+    train_partition,
 )
 
 __all__ = [
