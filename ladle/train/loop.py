@@ -3,10 +3,9 @@
 One model is a plain full-batch / mini-batch loop (OGB-example style): Adam, cross-entropy on the
 view's training nodes, validation every epoch. A run's models are the ingredients, the full-graph
 baseline and, when the recipe has one, the trunk the ingredients branch from and the trunk continued
-(:class:`Plan` says how
-each trains: epochs, learning rate and its schedule, and which weights it keeps: best validation with
-early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`, also used by
-periodic averaging and varrate), the last, or their mean over the second half). Every
+(:class:`Plan` says how each trains: epochs, learning rate and its schedule, and which weights it keeps:
+best validation with early stopping after ``patience`` epochs without improvement (:class:`BestEpoch`,
+also used by periodic averaging and varrate), the last, or their mean over the second half). Every
 ``save_every`` epochs the full state is saved, so an interrupted model resumes bitwise-identically.
 The launchers (:mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) build the task list with
 :class:`~ladle.train.task.RunSpec` and hand each task to :func:`train_task`.
