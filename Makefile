@@ -34,6 +34,7 @@ test-slow: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/soup_accuracy.py
+	$(BIN)/python bench/parallel_phase.py
 	$(BIN)/python bench/varrate.py
 	$(BIN)/python bench/beyond.py
 	$(BIN)/python bench/memory.py
