@@ -1,5 +1,5 @@
 """Throughput benchmark: how fast K ingredients train with 1 or 2 workers, ladle's epoch vs plain PyG,
-and ladle's samplers vs PyG's loaders (``view.backend``).
+and ladle's samplers vs PyG's loaders (``view.sampler``).
 
 One invocation measures, on each dataset, K ingredients (full-graph GCN views) with
 1 worker x 1 thread (the baseline), 1 worker x 2 threads and 2 workers x 1 thread, as wall time
@@ -36,7 +36,7 @@ from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import write_json
 from ladle.graph.datasets import load_dataset
-from ladle.graph.pyg_views import with_backend
+from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import build_view
 from ladle.train.launch import train_ingredients
 from ladle.train.loop import train_task
@@ -98,10 +98,10 @@ def ladle_epoch_seconds(dataset: str, epochs: int, data_root: str | None) -> flo
 
 def backend_seconds(dataset: str, data: Data, kind: str, backend: str, epochs: int) -> dict[str, float]:
     """One sampled view of ``kind`` under ``backend``: setup s, sampling s/epoch, training s/epoch."""
-    recipe = load_recipe(None, [*TRUNKLESS, f"dataset={dataset}", f"view.kind={kind}", f"view.backend={backend}",
+    recipe = load_recipe(None, [*TRUNKLESS, f"dataset={dataset}", f"view.kind={kind}", f"view.sampler={backend}",
                                 f"epochs={epochs}", f"patience={epochs}"])
     start = time.perf_counter()
-    view = with_backend(build_view(data, recipe.view, 0, 1, recipe.seed))
+    view = with_sampler(build_view(data, recipe.view, 0, 1, recipe.seed))
     setup = time.perf_counter() - start
     start = time.perf_counter()
     for epoch in range(epochs):

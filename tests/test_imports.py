@@ -169,3 +169,11 @@ def test_each_soup_method_name_is_written_only_where_it_registers() -> None:
         offences += [f"{path.name}:{line} {text!r}" for line, text in _string_literals(tree)
                      if text in SOUPS and line not in registering]
     assert not offences, "soup method names spelled outside their register(...) call: " + "; ".join(offences)
+
+
+def test_the_registry_is_whole_whichever_module_is_imported_first() -> None:
+    import subprocess
+    import sys
+    code = "from ladle.soup.methods import SOUPS; print(' '.join(SOUPS))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["uniform", "greedy", "gis", "learned", "learned-partition"]

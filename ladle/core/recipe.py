@@ -401,7 +401,7 @@ PARTITION_KINDS = ("metis", "random")
 SAINT_KINDS = ("saint-node", "saint-edge", "saint-rw")
 
 
-VIEW_BACKENDS = ("ladle", "pyg")
+SAMPLERS = ("ladle", "pyg")
 
 
 @dataclass(frozen=True)
@@ -418,13 +418,13 @@ class ViewConfig:
     fanout: tuple[int, ...] = (25, 10)  # neighbor: neighbours sampled per node, per hop
     balance: str = "none"  # metis: "labels" balances each class's train labels across parts
     halo: int = 0  # metis/random: hops of read-only neighbourhood each part also stores (loss on its own nodes)
-    backend: str = "ladle"  # cluster/saint/neighbor batches: ladle's samplers, or PyG's loaders (ladle.graph.pyg_views)
+    sampler: str = "ladle"  # who draws cluster/saint/neighbor batches: ladle, or PyG's loaders (ladle.graph.pyg_views)
 
     def __post_init__(self) -> None:
         if self.kind not in VIEW_KINDS:
             raise ValueError(f"view.kind must be one of {', '.join(VIEW_KINDS)}; got {self.kind!r}")
-        if self.backend not in VIEW_BACKENDS:
-            raise ValueError(f"view.backend must be one of {', '.join(VIEW_BACKENDS)}; got {self.backend!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"view.sampler must be one of {', '.join(SAMPLERS)}; got {self.sampler!r}")
         for key in ("parts", "parts_per_batch", "walk_length", "sample_coverage"):
             if getattr(self, key) < 1:
                 raise ValueError(f"view.{key} must be >= 1, got {getattr(self, key)}")

@@ -1,4 +1,4 @@
-"""PyG's own loaders behind ladle's sampled views (recipe key ``view.backend: pyg``).
+"""PyG's own loaders behind ladle's sampled views (recipe key ``view.sampler: pyg``).
 
 ``cluster`` batches come from PyG's ``ClusterData``/``ClusterLoader`` over ladle's pymetis partition
 (torch-sparse from PyPI is built without METIS, so PyG's own METIS call would fail); ``saint-node``,
@@ -6,7 +6,7 @@
 PyG's normalisation; ``neighbor`` from ``NeighborLoader``. The GraphSAINT samplers need torch-sparse,
 ``NeighborLoader`` torch-sparse or pyg-lib. Each view wraps the ladle view of the same settings, which
 still owns the eval graph, the partition and the step count, and converts PyG's batches to ladle's batch
-format (see :mod:`ladle.graph.views`), so trainers and models do not know which backend drew them.
+format (see :mod:`ladle.graph.views`), so trainers and models do not know which sampler drew them.
 
 PyG's samplers draw from torch's global RNG. Here every draw runs on a private RNG state seeded by
 ``(seed, k, epoch)``: batches are deterministic and the trainer's own random stream (dropout) is
@@ -42,7 +42,7 @@ from ladle.graph.views import (
     batch_graph,
 )
 
-# Random streams of this backend (distinct from ladle's own samplers' streams).
+# Random streams of these loaders (distinct from ladle's own samplers' streams).
 _NORM_STREAM, _EPOCH_STREAM = 11, 12
 _SAINT_SAMPLERS = {"saint-node": GraphSAINTNodeSampler, "saint-edge": GraphSAINTEdgeSampler,
                    "saint-rw": GraphSAINTRandomWalkSampler}
@@ -77,9 +77,9 @@ def _topology(data: Data) -> Data:
     return Data(edge_index=data.edge_index, num_nodes=data.num_nodes, n_id=torch.arange(data.num_nodes))
 
 
-def check_backend(config: ViewConfig) -> None:
+def check_sampler(config: ViewConfig) -> None:
     """Fail early, in one line, when ``config`` asks for a PyG loader that cannot run here."""
-    if config.backend == "pyg":
+    if config.sampler == "pyg":
         _require(config.kind)
 
 
@@ -92,8 +92,8 @@ def _require(kind: str) -> None:
         missing = "torch-sparse (or pyg-lib)"
     else:
         return
-    raise LadleError(f"view.backend=pyg with view.kind={kind} needs {missing}: pip install --no-build-isolation "
-                     f"'ladle[sparse]' (compiles for minutes), or use view.backend=ladle")
+    raise LadleError(f"view.sampler=pyg with view.kind={kind} needs {missing}: pip install --no-build-isolation "
+                     f"'ladle[sparse]' (compiles for minutes), or use view.sampler=ladle")
 
 
 class PyGView:
@@ -113,7 +113,7 @@ class PyGView:
         return self.base.adj
 
     def eval_graph(self) -> Data:
-        """The ladle view's eval graph: backends differ only in how they draw training batches."""
+        """The ladle view's eval graph: samplers differ only in how they draw training batches."""
         return self.base.eval_graph()
 
     def steps_per_epoch(self) -> int:
@@ -121,8 +121,8 @@ class PyGView:
         return self.base.steps_per_epoch()
 
     def describe(self) -> dict:
-        """The ladle view's summary, with ``backend`` and this view's step count."""
-        return {**self.base.describe(), "backend": "pyg", "steps_per_epoch": self.steps_per_epoch()}
+        """The ladle view's summary, with ``sampler`` and this view's step count."""
+        return {**self.base.describe(), "sampler": "pyg", "steps_per_epoch": self.steps_per_epoch()}
 
     def batches(self, epoch: int) -> Iterator[Data]:
         """``steps_per_epoch`` batches of PyG's loader in ladle's format, deterministic given (seed, k, epoch)."""
@@ -218,6 +218,6 @@ def pyg_view(base: IngredientView) -> IngredientView | PyGView:
     return _PYG_VIEWS[base.kind](base)
 
 
-def with_backend(view: IngredientView) -> IngredientView | PyGView:
-    """``view`` as its config's ``backend`` draws it: as it is for ``ladle``, through PyG's loaders for ``pyg``."""
-    return pyg_view(view) if view.config.backend == "pyg" else view
+def with_sampler(view: IngredientView) -> IngredientView | PyGView:
+    """``view`` as its config's ``sampler`` draws it: as it is for ``ladle``, through PyG's loaders for ``pyg``."""
+    return pyg_view(view) if view.config.sampler == "pyg" else view

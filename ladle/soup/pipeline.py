@@ -15,7 +15,6 @@ from torch import Tensor
 from torch_geometric.data import Data
 from tqdm import tqdm
 
-import ladle.soup.learned  # noqa: F401  (registers the learned soups in SOUPS)
 from ladle.core.errors import LadleError
 from ladle.core.recipe import SOUP_METRICS, Recipe, recipe_from_dict
 from ladle.core.rundir import (

@@ -41,7 +41,7 @@ from ladle.core.rundir import (
 )
 from ladle.core.storage import read_json, save_state, write_json
 from ladle.graph.inputs import GraphInputs
-from ladle.graph.pyg_views import check_backend
+from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards
 from ladle.nn.models import build_model
 from ladle.nn.saved import expected_shapes, verify_finished
@@ -149,7 +149,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     """
     spec = RunSpec(recipe, ingredients, init, baseline, save_every, tuple(log))
     check_loggers(spec.log)
-    check_backend(recipe.view)
+    check_sampler(recipe.view)
     chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
     workers = _check_backend(backend, workers, len(spec.tasks(Path())))
     device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster

@@ -41,7 +41,7 @@ from ladle.core.storage import (
 )
 from ladle.core.weights import running_mean
 from ladle.graph.inputs import GraphInputs, graph_inputs
-from ladle.graph.pyg_views import with_backend
+from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import Metrics, evaluate
@@ -269,7 +269,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
         view = part_view
     else:
         partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
-        view = with_backend(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
+        view = with_sampler(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
                                        else 1, recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe.replace(dropout=settings.dropout), data.num_features, data.num_classes)

@@ -34,7 +34,7 @@ from ladle.core.seeds import worker_seed
 from ladle.core.storage import StateDict, save_state, write_json
 from ladle.core.weights import average
 from ladle.graph.inputs import GraphInputs, graph_inputs
-from ladle.graph.pyg_views import with_backend
+from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import evaluate
@@ -102,9 +102,9 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
         torch.manual_seed(recipe.seed)
         init = build_model(recipe, data.num_features, data.num_classes).state_dict()
-        first = with_backend(build_view(data, recipe.view, 0, ingredients, recipe.seed))
+        first = with_sampler(build_view(data, recipe.view, 0, ingredients, recipe.seed))
         partition = getattr(first, "parts", None)  # partition views share one partition, computed once
-        views = [first] + [with_backend(build_view(data, recipe.view, k, ingredients, recipe.seed, partition))
+        views = [first] + [with_sampler(build_view(data, recipe.view, k, ingredients, recipe.seed, partition))
                            for k in range(1, ingredients)]
         trainers = [_Trainer(recipe, data, view, init, full_inputs) for view in views]
         curves = EpochLogger(run_dir, AVERAGED, "averaged", log)

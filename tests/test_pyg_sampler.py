@@ -1,4 +1,4 @@
-"""``view.backend=pyg``: PyG's loaders draw batches like ladle's samplers and train as well, on real Cora.
+"""``view.sampler=pyg``: PyG's loaders draw batches like ladle's samplers and train as well, on real Cora.
 
 The cluster view needs no compiled extra (PyG's ClusterLoader runs over ladle's pymetis partition), so
 its tests run everywhere; the GraphSAINT and neighbour tests need torch-sparse and say so when they skip.
@@ -16,7 +16,7 @@ from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import SAINT_KINDS, ViewConfig, load_recipe
-from ladle.graph.pyg_views import PyGView, with_backend
+from ladle.graph.pyg_views import PyGView, with_sampler
 from ladle.graph.views import FullView, build_view
 from ladle.train.launch import train_ingredients
 
@@ -32,7 +32,7 @@ RUNNABLE_KINDS = [pytest.param(kind, marks=() if kind == "cluster" else needs_sp
 
 def views(data: Data, kind: str, **settings) -> tuple:
     """The ladle and the PyG view of ingredient 0 of 2, same settings and seed."""
-    return tuple(with_backend(build_view(data, ViewConfig(kind=kind, backend=backend, **settings), 0, 2, seed=0))
+    return tuple(with_sampler(build_view(data, ViewConfig(kind=kind, sampler=backend, **settings), 0, 2, seed=0))
                  for backend in ("ladle", "pyg"))
 
 
@@ -49,11 +49,11 @@ def close(a: float, b: float, tolerance: float) -> bool:
     return abs(a / b - 1) <= tolerance
 
 
-def test_backend_key_is_validated_and_read_from_recipes() -> None:
-    with pytest.raises(ValueError, match=r"^view\.backend must be one of ladle, pyg; got 'dgl'$"):
-        ViewConfig(backend="dgl")
-    assert load_recipe("cora-gcn", ["view.backend=pyg"]).view.backend == "pyg"
-    assert load_recipe("cora-gcn").view.backend == "ladle"
+def test_sampler_key_is_validated_and_read_from_recipes() -> None:
+    with pytest.raises(ValueError, match=r"^view\.sampler must be one of ladle, pyg; got 'dgl'$"):
+        ViewConfig(sampler="dgl")
+    assert load_recipe("cora-gcn", ["view.sampler=pyg"]).view.sampler == "pyg"
+    assert load_recipe("cora-gcn").view.sampler == "ladle"
 
 
 def test_views_without_a_pyg_loader_are_the_same_under_both_backends(cora: Data) -> None:
@@ -64,7 +64,7 @@ def test_views_without_a_pyg_loader_are_the_same_under_both_backends(cora: Data)
 @pytest.mark.parametrize("kind", RUNNABLE_KINDS)
 def test_pyg_batches_are_in_ladle_format_deterministic_and_leave_the_global_rng_alone(cora: Data, kind: str) -> None:
     _, view = views(cora, kind)
-    assert isinstance(view, PyGView) and view.describe()["backend"] == "pyg"
+    assert isinstance(view, PyGView) and view.describe()["sampler"] == "pyg"
     before = torch.get_rng_state()
     first = list(view.batches(3))
     assert torch.equal(torch.get_rng_state(), before)
@@ -187,14 +187,14 @@ def test_pyg_neighbor_draws_like_ladle(cora: Data) -> None:
 def test_missing_package_is_one_actionable_error(cora: Data, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_geometric.typing, "WITH_TORCH_SPARSE", False)
     monkeypatch.setattr(torch_geometric.typing, "WITH_PYG_LIB", False)
-    with pytest.raises(LadleError, match=rf"view\.backend=pyg with view\.kind={kind} needs torch-sparse"):
-        with_backend(build_view(cora, ViewConfig(kind=kind, backend="pyg"), 0, 1, seed=0))
-    assert isinstance(with_backend(build_view(cora, ViewConfig(kind="cluster", backend="pyg"), 0, 1, seed=0)), PyGView)
+    with pytest.raises(LadleError, match=rf"view\.sampler=pyg with view\.kind={kind} needs torch-sparse"):
+        with_sampler(build_view(cora, ViewConfig(kind=kind, sampler="pyg"), 0, 1, seed=0))
+    assert isinstance(with_sampler(build_view(cora, ViewConfig(kind="cluster", sampler="pyg"), 0, 1, seed=0)), PyGView)
 
 
 @pytest.mark.skipif(HAS_SPARSE, reason="checks the message of a machine without torch-sparse")
 def test_train_without_torch_sparse_says_what_to_install(data_root: Path, tmp_path: Path) -> None:
-    result = run_module("ladle.train", "--recipe", "cora-gcn", "view.kind=saint-rw", "view.backend=pyg",
+    result = run_module("ladle.train", "--recipe", "cora-gcn", "view.kind=saint-rw", "view.sampler=pyg",
                         "--data-root", str(data_root), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr
     assert "view.kind=saint-rw needs torch-sparse: pip install" in result.stderr
@@ -206,7 +206,7 @@ def test_train_without_torch_sparse_says_what_to_install(data_root: Path, tmp_pa
 def test_both_backends_train_cora_to_comparable_accuracy(data_root: Path, tmp_path: Path, kind: str) -> None:
     accuracy = {}
     for backend in ("ladle", "pyg"):
-        recipe = load_recipe("cora-gcn", [f"view.kind={kind}", f"view.backend={backend}", "epochs=30"])
+        recipe = load_recipe("cora-gcn", [f"view.kind={kind}", f"view.sampler={backend}", "epochs=30"])
         run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / backend, data_root=data_root)
         accuracy[backend] = statistics.mean(meta["test_acc"] for meta in run.ingredients)
         assert len(run.ingredients) == 2 and not run.failed
