@@ -151,12 +151,12 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     check_loggers(spec.log)
     check_sampler(recipe.view)
     chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
-    workers = _check_backend(backend, workers, len(spec.tasks(Path())))
-    device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
-    data_root = None if data_root is None else str(data_root)
-
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
+    tasks = spec.tasks(run_path)
+    workers = _check_backend(backend, workers, len(tasks))
+    device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
+    data_root = None if data_root is None else str(data_root)
     _check_creatable(run_path)  # before the (maybe long) preparation
     check_free(run_path)
     check_same_run(run_path, spec.definition())
@@ -188,8 +188,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
             update_latest(checkpoints_root, run_path)
-        return _execute(run_path, run_meta, spec, spec.tasks(run_path), workers, data_root, device, backend,
-                        ray_options, threads)
+        return _execute(run_path, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads)
 
 
 def _check_creatable(run_path: Path) -> None:
