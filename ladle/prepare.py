@@ -20,7 +20,7 @@ from pathlib import Path
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import add_recipe_arguments, recipe_from_args
 from ladle.core.storage import read_json
-from ladle.graph.datasets import cache_dir, discard
+from ladle.graph.datasets import CACHE_MARKER, cache_dir, discard, is_cache_entry
 from ladle.graph.shards import prepare_shards, summary_table
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -75,16 +75,21 @@ class CacheEntry:
 
 
 def cache_entries(cache: Path) -> list[CacheEntry]:
-    """Every entry of the cache's ``datasets/`` and ``shards/`` folders, least recently used first."""
-    entries = []
-    for section in ("datasets", "shards"):
-        folder = cache / section
-        if not folder.is_dir():
-            continue
-        for path in folder.iterdir():
-            if path.is_dir() and not path.is_symlink():
-                entries.append(CacheEntry(path, _describe(path), _size(path), path.stat().st_mtime))
+    """Every entry ladle wrote (and marked: :func:`~ladle.graph.datasets.is_cache_entry`) in the cache's
+    ``datasets/`` and ``shards/`` folders, least recently used first; anything else there is not ladle's."""
+    entries = [CacheEntry(path, _describe(path), _size(path), path.stat().st_mtime)
+               for path in _folders(cache) if is_cache_entry(path)]
     return sorted(entries, key=lambda entry: entry.used)
+
+
+def foreign_folders(cache: Path) -> list[Path]:
+    """What the cache's ``datasets/`` and ``shards/`` hold that ladle did not write: listed, never pruned."""
+    return [path for path in _folders(cache) if not is_cache_entry(path)]
+
+
+def _folders(cache: Path) -> list[Path]:
+    return [path for section in ("datasets", "shards") if (cache / section).is_dir()
+            for path in sorted((cache / section).iterdir())]
 
 
 def _describe(path: Path) -> str:
@@ -100,7 +105,7 @@ def _describe(path: Path) -> str:
                     f"seed {inputs['seed']}")
     except (LadleError, KeyError, TypeError):
         return "unreadable"
-    return "raw files staged by an older ladle"
+    return "incomplete"
 
 
 def _size(path: Path) -> int:
@@ -130,9 +135,13 @@ def _manage_cache(args: argparse.Namespace) -> int:
         raise LadleError("--older-than and --max-size go with --prune")
     cache = cache_dir()
     entries = cache_entries(cache)
+    foreign = foreign_folders(cache)
+    if foreign:
+        print(f"left alone: {len(foreign)} entries under {cache} that ladle did not write "
+              f"(no {CACHE_MARKER}), e.g. {foreign[0].parent.name}/{foreign[0].name}")
     if args.list:
         if not entries:
-            print(f"the cache {cache} is empty")
+            print(f"the cache {cache} has no entry of ladle's")
             return 0
         print(f"{'MB':>10}  {'last used':<16}  entry")
         for entry in entries:

@@ -78,7 +78,38 @@ def test_a_second_train_is_refused_while_the_first_runs(data_root: Path, tmp_pat
                 with contextlib.suppress(ProcessLookupError):  # the whole group: the train and its workers
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-    with lock_run_dir(run_dir, "test"):  # the kernel dropped the killed owner's lock
+    _lock_once_workers_exit(run_dir)  # the kernel dropped the killed owner's locks
+
+
+def _lock_once_workers_exit(run_dir: Path, seconds: float = 30) -> None:
+    """Take the run's lock as soon as the killed owner's workers have exited (refused until then)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with lock_run_dir(run_dir, "test"):
+                return
+        except LadleError as error:
+            assert "still in use by the workers of a command that stopped" in str(error), error
+            assert time.monotonic() < deadline, "the killed owner's workers still hold the run"
+            time.sleep(0.1)
+
+
+def test_a_worker_of_a_killed_launcher_keeps_the_run_owned(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    worker = subprocess.Popen([sys.executable, "-c", "import sys, time; from ladle.core.rundir import hold_as_worker; "
+                               "hold_as_worker(sys.argv[1]); print('holding', flush=True); time.sleep(600)", str(run)],
+                              cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "holding"
+        with pytest.raises(LadleError, match=f"run directory {run} is still in use by the workers of a command that "
+                                             r"stopped \(they exit within seconds of it\); retry"):
+            with lock_run_dir(run, "ladle.train --resume"):
+                pass
+    finally:
+        worker.kill()
+        worker.wait()
+    with lock_run_dir(run, "ladle.train --resume"):  # the worker is gone: the run is free
         pass
 
 
@@ -157,6 +188,7 @@ def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> Non
         while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in workers), "a worker outlived its launcher"
+        _lock_once_workers_exit(run, seconds=5)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from ladle.core.errors import LadleError
+from ladle.core.storage import check_regular
 
 MODEL_KINDS = ("gcn", "sage", "gat")
 NORM_KINDS = ("none", "batch", "layer")
@@ -150,17 +151,17 @@ class Recipe:
         _check_choice("model", self.model, MODEL_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("features", self.features, FEATURE_MODES)
-        for key in ("hidden", "layers", "epochs", "heads", "patience"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key, most in _BOUNDS.items():
+            if not 1 <= getattr(self, key) <= most:
+                raise ValueError(f"{key} must be between 1 and {most}, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.weight_decay)
                 and self.weight_decay >= 0):
             raise ValueError(f"lr must be finite and > 0, weight_decay finite and >= 0; got {self.lr}, "
                              f"{self.weight_decay}")
-        if self.split < 0 or self.seed < 0:
-            raise ValueError("split and seed must be >= 0")
+        if not (0 <= self.split <= MAX_SEED and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"split and seed must be between 0 and {MAX_SEED}, got {self.split} and {self.seed}")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON/YAML-able dict (tuples become lists)."""
@@ -193,6 +194,8 @@ class Recipe:
 
 
 _MAX_NAME = 100
+MAX_SEED = 2**32 - 1  # every derived seed (seed * 1000 + k + 1) then fits torch's and numpy's generators
+_BOUNDS = {"hidden": 1 << 16, "layers": 128, "heads": 64, "epochs": 1_000_000, "patience": 1_000_000}
 
 
 def _is_file_name(name: str) -> bool:
@@ -350,11 +353,14 @@ def load_recipe(recipe: str | None = None, overrides: list[str] | dict[str, Any]
     values: dict[str, Any] = {}
     if recipe is not None:
         path = resolve_recipe_path(recipe)
+        check_regular(path, f"recipe {path}")
         try:
             loaded = yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as error:
             first = str(error).splitlines()[0]
             raise LadleError(f"recipe {path} is not valid YAML: {first}") from None
+        except UnicodeDecodeError:
+            raise LadleError(f"recipe {path} is not a text file (not UTF-8): give a YAML recipe") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -369,6 +375,12 @@ def load_recipe(recipe: str | None = None, overrides: list[str] | dict[str, Any]
     _deep_update(base, values)
     _deep_update(base, extra)
     return recipe_from_dict(base)
+
+
+def override_recipe(values: dict[str, Any], overrides: list[str]) -> Recipe:
+    """The recipe ``values`` (a nested dict, e.g. a ``run.json``'s) with ``key=value`` overrides applied."""
+    base = _deep_update(Recipe().to_dict(), values)
+    return recipe_from_dict(_deep_update(base, parse_overrides(overrides)))
 
 
 def recipe_from_dict(values: dict[str, Any]) -> Recipe:
@@ -393,15 +405,10 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 
 VIEW_KINDS = ("full", "metis", "random", "cluster", "saint-node", "saint-edge", "saint-rw", "neighbor")
-
-
 PARTITION_KINDS = ("metis", "random")
-
-
 SAINT_KINDS = ("saint-node", "saint-edge", "saint-rw")
-
-
 SAMPLERS = ("ladle", "pyg")
+BALANCE_KINDS = ("none", "labels")
 
 
 @dataclass(frozen=True)
@@ -434,14 +441,10 @@ class ViewConfig:
         object.__setattr__(self, "fanout", tuple(self.fanout))
         if not self.fanout or min(self.fanout) < 1:
             raise ValueError(f"view.fanout must be a non-empty list of integers >= 1, got {list(self.fanout)}")
-        if self.balance not in BALANCE_KINDS:
-            raise ValueError(f"view.balance must be one of {', '.join(BALANCE_KINDS)}; got {self.balance!r}")
+        _check_choice("view.balance", self.balance, BALANCE_KINDS)
         if self.balance != "none" and self.kind != "metis":
             raise ValueError(f"view.balance={self.balance} applies to view.kind=metis, not {self.kind}")
         if self.halo < 0:
             raise ValueError(f"view.halo must be >= 0 (hops; 0 = none), got {self.halo}")
         if self.halo and self.kind not in PARTITION_KINDS:
             raise ValueError(f"view.halo applies to view.kind={' or '.join(PARTITION_KINDS)}, not {self.kind}")
-
-
-BALANCE_KINDS = ("none", "labels")

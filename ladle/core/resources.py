@@ -1,13 +1,27 @@
-"""What this process may use: CPU cores, the training device, and its own peak memory."""
+"""What this process may use: CPU cores, the training device, its own peak memory, and how long it lives."""
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import signal
+import sys
 from pathlib import Path
 
 import torch
 
 from ladle.core.errors import LadleError
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGTERM this (worker) process when its parent dies (killed, even by SIGKILL),
+    so no worker trains on, orphaned, into a run its launcher has left."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before the request: nobody is left to work for
+            os._exit(1)
 
 
 def available_cores() -> int:
@@ -25,6 +39,14 @@ def resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise LadleError("--device cuda but no CUDA device is visible (use --device cpu or auto)")
     return device
+
+
+def total_memory() -> int:
+    """This machine's physical memory in bytes (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def peak_rss_mb() -> float:

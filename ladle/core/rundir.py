@@ -11,9 +11,11 @@ curves (:mod:`ladle.train.curves`): ``metrics-<name>.csv`` per process, merged i
 ``--log tensorboard`` event files under ``tensorboard-logs/<curve>/``.
 ``checkpoints/latest`` points at the newest run.
 
-A run directory has one owner at a time: train, resume, averaging and the soup's writes hold an
+A run directory has one owner at a time: train, resume, averaging, varrate and the soup's writes hold an
 exclusive ``flock`` on ``run.lock`` (:func:`lock_run_dir`), which the kernel releases when the process
-dies. Everything read back is checked against ``run.json``'s recipe (:func:`expected_shapes`).
+dies; the launcher's worker processes hold a shared ``flock`` on ``workers.lock`` (:func:`hold_as_worker`)
+until they exit, so a directory whose launcher was killed stays owned until its last worker is gone.
+Everything read back is checked against ``run.json``'s recipe (:func:`ladle.nn.saved.expected_shapes`).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import recipe_from_dict
+from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.storage import read_json
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,11 @@ class RunDir:
     def lock(self) -> Path:
         """Who owns the run directory now (pid, command, start time), locked with ``flock`` while they do."""
         return self.path / "run.lock"
+
+    @property
+    def workers_lock(self) -> Path:
+        """Held (shared) by every worker process of the owner while it lives (:func:`hold_as_worker`)."""
+        return self.path / "workers.lock"
 
     @property
     def init(self) -> Path:
@@ -202,6 +209,25 @@ def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPO
     return path.resolve()
 
 
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """A ``ladle.train`` run's ``run.json``, refused in one line when damaged or missing what every reader needs
+    (its recipe, K, init, and the dataset's sizes)."""
+    path = RunDir(run_dir).run_json
+    run = read_json(path, "it cannot be repaired: train the run again")
+    dataset = run.get("dataset")
+    problems = [key for key, ok in (
+        ("recipe", isinstance(run.get("recipe"), dict)),
+        ("ingredients", isinstance(run.get("ingredients"), int) and run["ingredients"] >= 1),
+        ("init", run.get("init") in ("shared", "independent")),
+        ("dataset", isinstance(dataset, dict) and all(isinstance(dataset.get(key), int) and dataset[key] >= 1
+                                                     for key in ("features", "classes"))),
+    ) if not ok]
+    if problems:
+        raise LadleError(f"{path} is not a ladle.train run.json this version can read (bad or missing: "
+                         f"{', '.join(problems)}); train the run again")
+    return run
+
+
 # ---------------------------------------------------------------- one owner at a time
 
 
@@ -215,9 +241,18 @@ def lock_run_dir(run_dir: Path, command: str) -> Iterator[None]:
         owner = {"pid": os.getpid(), "command": command, "since": dt.datetime.now().isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(owner).encode(), 0)
+        _remove_leftovers(run_dir)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """Remove the temporary files of atomic writes (``.<name>.<random>.tmp``) that a killed owner left: the
+    directory is ours now, so no write is under way."""
+    for temp in Path(run_dir).glob(".*.tmp"):
+        if temp.is_file() and not temp.is_symlink():
+            temp.unlink(missing_ok=True)
 
 
 def check_free(run_dir: Path) -> None:
@@ -227,12 +262,10 @@ def check_free(run_dir: Path) -> None:
 
 
 def _acquire(run_dir: Path) -> int:
-    """A descriptor of the run directory's lock file, locked exclusively (refused when another holds it)."""
+    """A descriptor of the run directory's lock file, locked exclusively (refused when another holds it, or
+    while workers of an earlier owner still live)."""
     path = RunDir(run_dir).lock
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as error:
-        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    fd = _open_lock(run_dir, path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -243,7 +276,39 @@ def _acquire(run_dir: Path) -> int:
     except OSError as error:  # a file system without flock
         os.close(fd)
         raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+    if RunDir(run_dir).workers_lock.exists():
+        workers = _open_lock(run_dir, RunDir(run_dir).workers_lock)
+        try:
+            fcntl.flock(workers, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free only when no worker holds it shared
+        except BlockingIOError:
+            os.close(fd)
+            raise LadleError(f"run directory {run_dir} is still in use by the workers of a command that stopped "
+                             "(they exit within seconds of it); retry") from None
+        finally:
+            os.close(workers)
     return fd
+
+
+def _open_lock(run_dir: Path, path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise LadleError(f"cannot lock run directory {run_dir}: {error.strerror} ({path})") from None
+
+
+_held: list[int] = []  # the worker-lock descriptors of this process, open until it exits
+
+
+def hold_as_worker(run_dir: Path) -> None:
+    """Hold a shared lock on ``run_dir``'s ``workers.lock`` for the rest of this (worker) process's life, so the
+    directory is not handed to another command while the worker still trains into it."""
+    fd = _open_lock(run_dir, RunDir(run_dir).workers_lock)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:  # a file system without flock: the run lock alone
+        os.close(fd)
+        return
+    _held.append(fd)
 
 
 def _owner(fd: int) -> str:
@@ -261,7 +326,8 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
     ladle run (a user's folder: nothing of it is replaced)."""
     files = RunDir(run_dir)
     if not files.run_json.is_file():
-        ours = {files.lock.name, files.init.name, files.partition.name, files.shards.name}  # before run.json
+        ours = {files.lock.name, files.workers_lock.name, files.init.name, files.partition.name,
+                files.shards.name}  # before run.json
         foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in ours) if run_dir.is_dir() else []
         if foreign:
             raise LadleError(f"run directory {run_dir} holds files but no ladle run ({', '.join(foreign[:3])}"
@@ -277,6 +343,26 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
                          "finish it with --resume, or choose another --run-dir")
 
 
+def check_varrate_dir(run_dir: Path) -> None:
+    """Refuse a ``--run-dir`` for ``ladle.varrate`` that is a file, holds a ``ladle.train`` run, or holds
+    anything but a varrate run's files (an earlier varrate run there is replaced)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LadleError(f"run directory {run_dir} is not a directory (choose another --run-dir)")
+    if not run_dir.is_dir():
+        return
+    if RunDir(run_dir).run_json.exists():
+        raise LadleError(f"run directory {run_dir} holds a ladle.train run (run.json); a varrate run goes in a "
+                         "folder of its own (choose another --run-dir)")
+    files = RunDir(run_dir)
+    ours = {path.name for path in (files.lock, files.workers_lock, files.varrate_model, files.varrate_json,
+                                   files.report_md, files.metrics, files.bytes_plot, files.tensorboard,
+                                   *files.metrics_parts())}
+    foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in ours)
+    if foreign:
+        raise LadleError(f"run directory {run_dir} holds files but no varrate run ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}): choose a new or empty --run-dir")
+
+
 # ---------------------------------------------------------------- everything read back matches run.json
 
 
@@ -289,6 +375,16 @@ def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
         return f"a recipe this version cannot read: {error}"
     return "; ".join(f"{key} {ours.get(key)!r}, run.json {theirs.get(key)!r}"
                      for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key))
+
+
+def run_difference(run: dict[str, Any], recipe: Recipe | None, flags: dict[str, tuple[Any, Any]]) -> str:
+    """'' when ``recipe`` (None: not given) and each flag's given value (None: not given) agree with the
+    recorded ones of ``run`` (its ``run.json``); else each difference: ``hidden 32, run.json 64; --ingredients 5,
+    run.json 2``."""
+    differences = [recipe_difference(recipe.to_dict(), run["recipe"])] if recipe is not None else []
+    differences += [f"{flag} {given!r}, run.json {recorded!r}" for flag, (given, recorded) in flags.items()
+                    if given is not None and given != recorded]
+    return "; ".join(text for text in differences if text)
 
 
 def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,12 +49,34 @@ def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
         os.replace(temp, path)
     except OSError as error:
         Path(temp).unlink(missing_ok=True)
-        if error.errno == errno.ENOSPC:
+        if _disk_full(error):
             raise LadleError(f"disk full while writing {path}; free space and rerun (use --resume)") from None
         raise
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _disk_full(error: OSError) -> bool:
+    """Whether a failed write ran out of space: ENOSPC or EDQUOT, or numpy's short write ("N requested and M
+    written"), which carries no errno."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return error.errno is None and "requested and" in str(error) and "written" in str(error)
+
+
+def check_regular(path: Path, what: str = "") -> None:
+    """Refuse ``path`` unless it is a regular file (or a link to one) or missing: a FIFO would block its reader
+    forever, a directory or a device fail later with no useful word."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise LadleError(f"cannot read {what or path}: {error.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise LadleError(f"{what or path} is {kind}, not a file ladle wrote: remove it")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -63,14 +86,16 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         stream.write("\n")
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON metadata file, naming it in the error when missing or corrupt."""
+def read_json(path: Path, fix: str = "delete it and retrain that part") -> dict[str, Any]:
+    """Read a JSON metadata file, naming it in the error when missing or corrupt; ``fix`` says what to do about
+    a corrupt one."""
+    check_regular(path)
     try:
         payload = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise LadleError(f"{path} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise LadleError(f"{path} is corrupt ({error.__class__.__name__}); delete it and retrain that part") from None
+        raise LadleError(f"{path} is corrupt ({error.__class__.__name__}); {fix}") from None
     if not isinstance(payload, dict):
         raise LadleError(f"{path} is corrupt: expected a JSON object")
     return payload
@@ -96,6 +121,7 @@ def load_state_and_metadata(path: Path) -> tuple[StateDict, dict[str, str]]:
 def load_state(path: Path) -> StateDict:
     """Load safetensors weights; any ``.pt`` goes through ``torch.load(weights_only=True)``."""
     path = Path(path)
+    check_regular(path, f"checkpoint {path}")
     if not path.is_file():
         raise LadleError(f"checkpoint {path} is missing")
     if path.suffix in (".pt", ".pth"):

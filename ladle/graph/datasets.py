@@ -31,7 +31,7 @@ from torch_geometric.data.storage import GlobalStorage
 from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import atomic_open, read_json, write_json
+from ladle.core.storage import atomic_open, check_regular, read_json, write_json
 from ladle.graph.splits import per_class_split, random_split
 from ladle.graph.synthetic import parse_synthetic, synthetic_graph
 
@@ -193,8 +193,33 @@ def resolve_data_root(data_root: str | Path | None = None) -> Path:
 
 
 def cache_dir() -> Path:
-    """Writable folder for the datasets' arrays and the shards."""
-    return Path(os.environ.get("LADLE_CACHE", Path.home() / ".cache" / "ladle")).expanduser()
+    """Writable folder for the datasets' arrays and the shards: ``$LADLE_CACHE``, else ``~/.cache/ladle``.
+
+    An empty ``$LADLE_CACHE`` and the working directory are refused: either would scatter the cache's
+    folders (and ``prepare --prune``'s reach) over the user's own files.
+    """
+    value = os.environ.get("LADLE_CACHE")
+    if value is not None and not value.strip():
+        raise LadleError("LADLE_CACHE is set but empty: unset it (the cache is then ~/.cache/ladle) or name a folder")
+    cache = Path(value or Path.home() / ".cache" / "ladle").expanduser()
+    if cache.resolve() == Path.cwd().resolve():
+        raise LadleError(f"the cache {cache} (LADLE_CACHE) is the working directory: name a folder of its own")
+    return cache
+
+
+CACHE_MARKER = ".ladle-cache-entry"  # in every folder ladle writes into the cache; prune removes no other
+
+
+def mark_cache_entry(folder: Path) -> None:
+    """Create ``folder`` and mark it as ladle's own (written first, so an interrupted build is marked too)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CACHE_MARKER).write_text("written by ladle; python -m ladle.prepare --prune may remove this folder\n")
+
+
+def is_cache_entry(folder: Path) -> bool:
+    """Whether ``folder`` is a real folder (not a link) that ladle marked as a cache entry of its own."""
+    marker = folder / CACHE_MARKER
+    return folder.is_dir() and not folder.is_symlink() and marker.is_file() and not marker.is_symlink()
 
 
 DATASET_FORMAT = 1
@@ -300,6 +325,7 @@ def _read_with_pyg(key: str, source: _Source, root: Path, entries: Path, present
     try:
         entries.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{key}-", suffix=".tmp", dir=entries))
+        mark_cache_entry(work)
     except OSError as error:
         raise LadleError(f"cannot create the dataset cache {entries}: {error.strerror} "
                          "(set LADLE_CACHE to a writable folder)") from None
@@ -343,6 +369,7 @@ def _write_entry(entry: Path, key: str, data: Data) -> None:
     arrays = {name: value.contiguous().numpy() for name, value in data.items() if isinstance(value, Tensor)}
     temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent))
     try:
+        mark_cache_entry(temp)
         for name, array in arrays.items():
             with atomic_open(temp / f"{name}.npy") as stream:
                 np.save(stream, array, allow_pickle=False)
@@ -371,8 +398,9 @@ def _read_entry(entry: Path) -> Data:
         if not _ARRAY_NAME.fullmatch(name):
             raise LadleError(f"{corrupt} (array name {name!r})")
         try:
+            check_regular(entry / f"{name}.npy")
             array = np.load(entry / f"{name}.npy", mmap_mode="c", allow_pickle=False)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, LadleError) as error:
             raise LadleError(f"{corrupt} ({name}.npy: {error})") from None
         if [list(array.shape), str(array.dtype)] != expected:
             raise LadleError(f"{corrupt} ({name}.npy is {array.dtype}{list(array.shape)}, expected {expected})")

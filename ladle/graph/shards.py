@@ -41,12 +41,13 @@ from tqdm import tqdm
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import PARTITION_KINDS, Recipe, ViewConfig
-from ladle.core.storage import atomic_open, read_json, write_json
+from ladle.core.storage import atomic_open, check_regular, read_json, write_json
 from ladle.graph.datasets import (
     cache_dir,
     dataset_identity,
     forget_dataset,
     load_dataset,
+    mark_cache_entry,
 )
 from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.graph.partition import InEdges, part_subgraph
@@ -56,6 +57,7 @@ from ladle.graph.views import FullView, IngredientView, build_view
 log = logging.getLogger(__name__)
 
 SHARD_FORMAT = 1
+REBUILD = "rebuild the shards with python -m ladle.prepare --force (same recipe, -k and seed)"
 _MASKS = ("train_mask", "val_mask", "test_mask")
 _PART_KEYS = ("cut_edges", "total_cut_edges", "halo", "halo_nodes", "halo_edges", "halo_bytes")
 
@@ -185,20 +187,19 @@ def load_shard(path: Path, edge_index: bool = True) -> Shard:
     16 bytes per edge).
     """
     path = Path(path)
-    meta = read_json(path / "meta.json")
-    if meta.get("format") != SHARD_FORMAT:
-        raise LadleError(f"shard {path} has format {meta.get('format')}, expected {SHARD_FORMAT}; "
-                         "rebuild it with python -m ladle.prepare --force")
+    meta = read_json(path / "meta.json", REBUILD)
+    if meta.get("format") != SHARD_FORMAT or not isinstance(meta.get("arrays"), dict):
+        raise LadleError(f"shard {path} has format {meta.get('format')}, expected {SHARD_FORMAT}; {REBUILD}")
     arrays: dict[str, Tensor] = {}
     for name, (shape, dtype) in meta["arrays"].items():
         try:
+            check_regular(path / f"{name}.npy")
             array = np.load(path / f"{name}.npy", mmap_mode="c", allow_pickle=False)
-        except (OSError, ValueError) as error:
-            raise LadleError(f"shard {path} is corrupt or incomplete ({name}.npy: {error}); "
-                             "rebuild it with python -m ladle.prepare --force") from None
+        except (OSError, ValueError, LadleError) as error:
+            raise LadleError(f"shard {path} is corrupt or incomplete ({name}.npy: {error}); {REBUILD}") from None
         if list(array.shape) != shape or str(array.dtype) != dtype:
             raise LadleError(f"shard {path} is corrupt ({name}.npy is {array.dtype}{list(array.shape)}, "
-                             f"expected {dtype}{shape}); rebuild it with python -m ladle.prepare --force")
+                             f"expected {dtype}{shape}); {REBUILD}")
         arrays[name] = torch.from_numpy(array)
     rowptr, col = arrays["rowptr"], arrays["col"]
     edges = None
@@ -242,7 +243,7 @@ class ShardSet:
     @classmethod
     def open(cls, path: Path) -> ShardSet:
         """The shard set in ``path`` (a cache folder or a run's ``shards`` link)."""
-        return cls(Path(path), read_json(Path(path) / "shards.json"))
+        return cls(Path(path), read_json(Path(path) / "shards.json", REBUILD))
 
     @property
     def partitioned(self) -> bool:
@@ -261,12 +262,28 @@ class ShardSet:
         """The node -> part ids the run's view uses, or None."""
         if not self.meta["partition"]:
             return None
-        return torch.from_numpy(np.load(self.path / "partition.npy", allow_pickle=False))
+        check_regular(self.path / "partition.npy")
+        try:
+            return torch.from_numpy(np.load(self.path / "partition.npy", allow_pickle=False))
+        except (OSError, ValueError) as error:
+            raise LadleError(f"{self.path / 'partition.npy'} is corrupt ({error}); {REBUILD}") from None
 
     def complete(self) -> bool:
-        """Whether every shard listed in ``shards.json`` has its ``meta.json`` (arrays are checked on load)."""
-        names = ["graph", *self.meta["parts"]]
-        return self.meta.get("format") == SHARD_FORMAT and all((self.path / n / "meta.json").is_file() for n in names)
+        """Whether every shard listed in ``shards.json`` has a readable ``meta.json`` that lists its arrays, each
+        present as a regular file of at least its size (the arrays themselves are checked on load)."""
+        if self.meta.get("format") != SHARD_FORMAT:
+            return False
+        try:
+            for name in ["graph", *self.meta["parts"]]:
+                meta = read_json(self.path / name / "meta.json", REBUILD)
+                for array, (shape, dtype) in meta["arrays"].items():
+                    file = self.path / name / f"{array}.npy"
+                    check_regular(file)
+                    if file.stat().st_size < np.dtype(dtype).itemsize * int(np.prod(shape)):
+                        return False
+        except (LadleError, OSError, KeyError, TypeError, ValueError):
+            return False
+        return True
 
     def link(self, run_dir: Path) -> Path:
         """Point ``run_dir/shards`` at this set (a symlink, replaced atomically); return the link."""
@@ -295,14 +312,18 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     inputs = shard_inputs(recipe, ingredients, data_root)
     target = root / _hash(inputs)
     stale = target.exists()
-    if stale and (target / "shards.json").is_file() and not force and inputs["data"] is not None:
-        shards = ShardSet.open(target)
-        if shards.complete():
+    if stale and not force and inputs["data"] is not None:
+        try:
+            shards: ShardSet | None = ShardSet.open(target)
+        except LadleError:
+            shards = None
+        if shards is not None and shards.complete():
             log.info("shards of %s (K=%d, view %s) from the cache: %s", recipe.dataset, ingredients,
                      recipe.view.kind, target)
             with contextlib.suppress(OSError):  # the last use, for ladle.prepare --prune
                 os.utime(target)
             return shards
+        log.warning("the cached shards %s are incomplete or damaged; rebuilding them", target)
     if force:
         forget_dataset(recipe.dataset, data_root)
     try:
@@ -314,6 +335,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     temp = root / f".{target.name}.{os.getpid()}.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     try:
+        mark_cache_entry(temp)
         meta = _build(recipe, ingredients, data_root, temp, inputs)
         write_json(temp / "shards.json", meta | {"key": target.name, "seconds": time.perf_counter() - start})
         if stale:

@@ -8,6 +8,7 @@ import torch
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
+from ladle.core.resources import total_memory
 from ladle.graph.splits import random_split
 
 SYNTHETIC_DEFAULTS = {"nodes": 10_000, "degree": 10, "features": 64, "classes": 10,
@@ -31,8 +32,16 @@ def parse_synthetic(spec: str) -> dict[str, float]:
             number = math.nan
         if not math.isfinite(number):
             raise LadleError(f"synthetic option '{key}' needs a finite number, got '{value}'")
-    if options["nodes"] < options["classes"] * 4 or options["degree"] < 1 or options["features"] < 1:
-        raise LadleError("synthetic graph needs nodes >= 4 * classes, degree >= 1 and features >= 1")
+    if (options["classes"] < 2 or options["nodes"] < options["classes"] * 4 or options["degree"] < 1
+            or options["features"] < 1 or not 0 <= options["homophily"] <= 1 or options["signal"] < 0
+            or not 0 <= options["seed"] < 2**63):
+        raise LadleError("synthetic graph needs classes >= 2, nodes >= 4 * classes, degree >= 1, features >= 1, "
+                         "0 <= homophily <= 1, signal >= 0 and 0 <= seed < 2^63")
+    needed = options["nodes"] * (4 * options["features"] + 16 * options["degree"])  # features and edges
+    memory = total_memory()
+    if memory and needed > memory:
+        raise LadleError(f"synthetic graph of {options['nodes']:,} nodes needs about {needed / 2**30:.1f} GiB, above "
+                         f"this machine's {memory / 2**30:.1f} GiB")
     return options
 
 

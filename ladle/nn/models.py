@@ -6,11 +6,14 @@ message passing on CPU. GAT needs per-edge attention and takes ``edge_index``.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
+from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
+from ladle.core.resources import total_memory
 from ladle.graph.inputs import Features, GraphInputs
 from ladle.graph.sparse import SparseMatrix
 
@@ -87,6 +90,21 @@ def _norm(kind: str, width: int) -> nn.Module:
     if kind == "layer":
         return nn.LayerNorm(width)
     return nn.Identity()
+
+
+TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and Adam's two moments
+
+
+def check_fits(recipe: Recipe, in_channels: int, num_classes: int) -> None:
+    """Refuse, before anything is written, a model whose weights and optimizer state alone outgrow this machine's
+    memory (counted on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in build_model(recipe, in_channels, num_classes).parameters())
+    needed, memory = parameters * TRAINING_BYTES_PER_PARAMETER, total_memory()
+    if memory and needed > memory:
+        raise LadleError(f"the model (hidden {recipe.hidden}, layers {recipe.layers}) has {parameters:,} parameters: "
+                         f"{needed / 2**30:.1f} GiB of weights and optimizer state, above this machine's "
+                         f"{memory / 2**30:.1f} GiB; choose a smaller hidden or fewer layers")
 
 
 def build_model(recipe: Recipe, in_channels: int, num_classes: int) -> GNN:

@@ -11,8 +11,9 @@ import torch
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import recipe_from_dict
-from ladle.core.rundir import RunDir, ingredient_name, recipe_difference
+from ladle.core.rundir import RunDir, ingredient_name, read_run, recipe_difference
 from ladle.core.storage import StateDict, load_state, read_json
+from ladle.graph.datasets import dataset_identity, resolve_data_root
 from ladle.nn.models import build_model
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,26 @@ def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         model = build_model(recipe_from_dict(run["recipe"]), int(run["dataset"]["features"]),
                             int(run["dataset"]["classes"]))
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def data_record(dataset: str, data_root: str | Path | None) -> dict[str, Any]:
+    """What ``run.json`` records of the data a run trains on: the identity of the dataset's files
+    (:func:`~ladle.graph.datasets.dataset_identity`) and the root they were read from."""
+    return {"identity": dataset_identity(dataset, data_root), "root": str(resolve_data_root(data_root))}
+
+
+def check_same_data(run: dict[str, Any], run_dir: Path, data_root: str | Path | None, allow_other: bool) -> None:
+    """Refuse to resume or soup a run on other data than it trained on (another copy, other labels): the
+    ingredients would be scored, or trained on, a graph they never saw. ``allow_other`` lets it through."""
+    recorded = run.get("data")
+    if not isinstance(recorded, dict) or allow_other:
+        return
+    now = data_record(run["recipe"]["dataset"], data_root)
+    if now["identity"] != recorded.get("identity"):
+        raise LadleError(f"run {run_dir} was trained on the {run['recipe']['dataset']} files of {recorded.get('root')} "
+                         f"(identity {recorded.get('identity')}); {now['root']} holds other ones (identity "
+                         f"{now['identity']}): pass the run's --data-root, or --allow-other-data if they are the "
+                         "same data")
 
 
 def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
@@ -70,7 +91,7 @@ def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
     """Load every finished ingredient, each checked against ``run.json``'s recipe (its own recipe, and the
     keys and shapes of a model built from it); name missing ones; refuse (or skip, with why) the others."""
     files = RunDir(run_dir)
-    run = read_json(files.run_json)
+    run = read_run(run_dir)
     expected = expected_shapes(run)
     bundle = Ingredients([], [], [], [])
     for k in range(int(run["ingredients"])):

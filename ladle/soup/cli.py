@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep averaged batch-norm statistics instead of recomputing them")
     parser.add_argument("--skip-bad", action="store_true", help="skip corrupt or mismatched ingredients")
     parser.add_argument("--data-root", help="dataset root folder")
+    parser.add_argument("--allow-other-data", action="store_true",
+                        help="soup on dataset files other than those the run was trained on (refused otherwise)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid is not None and args.grid < 2:
         raise LadleError("--grid must be >= 2")
     report = soup_run(args.run_dir, args.method, args.grid, args.search, args.metric, args.recompute_bn,
-                      args.skip_bad, args.data_root)
+                      args.skip_bad, args.data_root, allow_other_data=args.allow_other_data)
     print(format_table(report))
     print(f"report: {RunDir(report['run_dir']).report_md}")
     return 0

@@ -25,14 +25,21 @@ from ladle.core.rundir import (
     RunDir,
     check_free,
     lock_run_dir,
+    read_run,
     resolve_run_dir,
     soup_name,
 )
-from ladle.core.storage import StateDict, load_state, read_json, save_state, write_json
+from ladle.core.storage import StateDict, read_json, save_state, write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
 from ladle.nn.layerwise import LayerwiseInference
-from ladle.nn.saved import Ingredients, load_ingredients
+from ladle.nn.saved import (
+    Ingredients,
+    check_same_data,
+    check_weights,
+    expected_shapes,
+    load_ingredients,
+)
 from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances
@@ -50,16 +57,19 @@ log = logging.getLogger(__name__)
 
 def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid: int | None = None,
              search: str | None = None, metric: str | None = None, recompute_bn: bool | None = None,
-             skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True) -> dict[str, Any]:
+             skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True,
+             allow_other_data: bool = False) -> dict[str, Any]:
     """Soup a run's ingredients with the chosen methods and write the soups and the report.
 
-    Unset options come from the run's recipe (section ``soup``). Returns the report as a dict.
+    Unset options come from the run's recipe (section ``soup``). Returns the report as a dict. The data must be
+    the run's (``run.json`` records its identity), unless ``allow_other_data``.
     This is the library call behind ``python -m ladle.soup``.
     """
     files = RunDir(resolve_run_dir(run_dir))
     if write:
         check_free(files.path)  # before the work; the write phase takes the lock
-    run = read_json(files.run_json)
+    run = read_run(files.path)
+    check_same_data(run, files.path, data_root, allow_other_data)
     bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
     recipe = recipe_from_dict(run["recipe"])
     options = recipe.soup
@@ -77,7 +87,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
     evaluator = Evaluator(recipe, data, layerwise=True if any(m.layerwise for m in methods) else None,
                           inference=inference, recompute_bn=recompute)
-    trunk = load_state(files.weights(TRUNK)) if files.weights(TRUNK).exists() else None
+    expected = expected_shapes(run)
+    trunk = _reference_weights(files, TRUNK, expected)
     bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
                unit="candidate", dynamic_ncols=True, disable=None)
 
@@ -106,11 +117,11 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     bar.total = bar.n  # the fast alpha search may skip points it already scored
     bar.close()
 
-    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator)
+    references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, expected)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, bundle.names, settings) for result in soups]
     basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
-                   trunk if trunk is not None else load_state(files.init), "trunk" if trunk is not None else "init")
+                   trunk if trunk is not None else check_weights(files.init, expected), "trunk" if trunk is not None else "init")
     report = {
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
@@ -200,14 +211,24 @@ def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], 
                           for name, d in zip(bundle.names, distances)]}
 
 
-def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None,
-                evaluator: Evaluator) -> list[dict[str, Any]]:
+def _reference_weights(files: RunDir, name: str, expected: dict[str, tuple[int, ...]]) -> StateDict | None:
+    """The weights of the run's trunk (or another reference model), checked like an ingredient's; None when absent."""
+    if not files.weights(name).exists():
+        return None
+    try:
+        return check_weights(files.weights(name), expected)
+    except LadleError as error:
+        fix = "remove it" if name == AVERAGED else f"python -m ladle.train --resume --run-dir {files.path} trains it again"
+        raise LadleError(f"{error}: {fix}") from None
+
+
+def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evaluator: Evaluator,
+                expected: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
     """What the soups are compared with, not soups themselves: the logit ensemble (``ensemble``: the
     ingredients' mean logits), and the run's trunk, trunk continued, periodically averaged model and
     full-graph baseline when it has them, each with the epochs and optimizer steps it trained."""
     references = [{"name": "ensemble", "kind": "reference", **evaluator.split_metrics(ensemble)}]
-    models = {TRUNK: trunk} | {name: load_state(files.weights(name)) for name in (CONTINUED, AVERAGED, BASELINE)
-                               if files.weights(name).exists()}
+    models = {TRUNK: trunk} | {name: _reference_weights(files, name, expected) for name in (CONTINUED, AVERAGED, BASELINE)}
     for name, state in models.items():
         if state is not None:
             logits = evaluator.full_logits(state)

@@ -8,22 +8,33 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe, add_recipe_arguments, recipe_from_args
+from ladle.core.recipe import (
+    Recipe,
+    add_recipe_arguments,
+    override_recipe,
+    recipe_from_args,
+)
 from ladle.core.rundir import (
     AVERAGED,
     RunDir,
     averaging_run_dir,
     check_free,
     lock_run_dir,
+    read_run,
+    resolve_run_dir,
+    run_difference,
 )
 from ladle.graph.datasets import load_dataset
+from ladle.nn.models import check_fits
 from ladle.train.curves import LOGGERS, check_loggers
 from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.periodic import train_with_averaging
+from ladle.train.task import SAVE_EVERY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Any recipe key can be overridden as key=value, e.g. dataset=citeseer view.kind=metis epochs=50",
     )
     add_recipe_arguments(parser)
-    parser.add_argument("--ingredients", "-k", type=int, default=8, help="number of ingredients K (default 8)")
+    parser.add_argument("--ingredients", "-k", type=int, help="number of ingredients K (default 8)")
     parser.add_argument("--workers", "-w", type=int, default=None,
                         help="processes training at once (default: min(K, cores))")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/<recipe>-<time>)")
@@ -43,25 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
                       help="all ingredients start from the same weights (default; with trunk.epochs > 0: the trunk)")
     init.add_argument("--independent-init", dest="init", action="store_const", const="independent",
                       help="each ingredient draws its own initial weights")
-    parser.set_defaults(init="shared")
     parser.add_argument("--resume", action="store_true",
-                        help="finish an interrupted run (--run-dir, default checkpoints/latest); recipe flags are ignored")
-    parser.add_argument("--save-every", type=int, default=10, metavar="N",
+                        help="finish an interrupted run (--run-dir, default checkpoints/latest) as it was recorded; "
+                             "a flag that contradicts the record is refused")
+    parser.add_argument("--allow-other-data", action="store_true",
+                        help="with --resume: train on dataset files other than the run's (refused otherwise)")
+    parser.add_argument("--save-every", type=int, metavar="N",
                         help="save the resumable training state every N epochs (default 10, 0: never)")
     parser.add_argument("--average-every", type=int, metavar="T",
                         help="instead of independent ingredients: K trainers whose weights are averaged every T "
                              "epochs (periodic averaging, the one mode that communicates); writes averaged.*")
-    parser.add_argument("--baseline", action="store_true",
+    parser.add_argument("--baseline", action="store_true", default=None,
                         help="also train one full-graph model for trunk.epochs + epochs (the soup's reference)")
-    parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="where to train")
-    parser.add_argument("--backend", default="local", choices=("local", "ray"),
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default cpu)")
+    parser.add_argument("--backend", choices=("local", "ray"),
                         help="local worker processes (default) or a Ray cluster (pip install 'ladle[ray]')")
     parser.add_argument("--address", help="Ray cluster address (auto, HOST:PORT); default: start a local one")
     parser.add_argument("--cpus-per-ingredient", type=float, default=1.0, help="Ray: CPUs per ingredient task")
     parser.add_argument("--gpus-per-ingredient", type=float, default=0.0, help="Ray: GPUs per ingredient task")
     parser.add_argument("--gather", action="store_true",
                         help="Ray: return weights to the driver and write them there (no shared storage needed)")
-    parser.add_argument("--log", action="append", default=[], choices=LOGGERS,
+    parser.add_argument("--log", action="append", choices=LOGGERS,
                         help="also log the training curves to TensorBoard event files in the run directory "
                              "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -73,24 +86,52 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides anywhere among the flags
     ray_options = {"address": args.address, "cpus": args.cpus_per_ingredient, "gpus": args.gpus_per_ingredient,
                    "gather": args.gather}
-    if args.save_every < 0:
+    if args.save_every is not None and args.save_every < 0:
         raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
-    check_loggers(args.log)
+    check_loggers(args.log or [])
     if args.resume:
-        run = resume_run(args.run_dir, args.workers, args.data_root, ray_options=ray_options)
+        run_dir = resolve_run_dir(args.run_dir)
+        _check_resume_flags(args, read_run(run_dir))
+        run = resume_run(run_dir, args.workers, args.data_root, args.backend, ray_options, args.allow_other_data)
         print(run.summary_table())
         print(f"run directory: {run.run_dir}")
         return 0 if not run.failed else 1
+    if args.allow_other_data:
+        raise LadleError("--allow-other-data goes with --resume (a new run records the data it trains on)")
     recipe = recipe_from_args(args)
+    args.ingredients = 8 if args.ingredients is None else args.ingredients
+    args.log = args.log or []
     if args.average_every is not None:
         return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
-                            init=args.init, baseline=args.baseline, data_root=args.data_root, device=args.device,
-                            backend=args.backend, ray_options=ray_options, save_every=args.save_every,
+                            init=args.init or "shared", baseline=bool(args.baseline), data_root=args.data_root,
+                            device=args.device or "cpu", backend=args.backend or "local", ray_options=ray_options,
+                            save_every=SAVE_EVERY if args.save_every is None else args.save_every,
                             log=tuple(args.log))
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1
+
+
+def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
+    """Refuse ``--resume`` flags that contradict the run's ``run.json`` (a resumed run is the run it was);
+    ``--workers``, ``--backend``, ``--data-root`` and the Ray options may change."""
+    if args.average_every is not None:
+        raise LadleError("--average-every starts a periodic-averaging run; it cannot --resume one")
+    recipe = None
+    if args.recipe is not None:
+        recipe = recipe_from_args(args)
+    elif args.overrides or args.seed is not None:
+        recipe = override_recipe(run["recipe"], [*args.overrides, *([f"seed={args.seed}"] if args.seed is not None else [])])
+    contradictions = run_difference(run, recipe, {
+        "--ingredients": (args.ingredients, run["ingredients"]), "init": (args.init, run["init"]),
+        "--baseline": (args.baseline, bool(run.get("baseline"))),
+        "--save-every": (args.save_every, run.get("save_every", SAVE_EVERY)),
+        "--device": (args.device, run.get("device", "cpu")),
+        "--log": (args.log and sorted(args.log), sorted(run.get("log", ())))})
+    if contradictions:
+        raise LadleError(f"--resume finishes the run as it was recorded, and these flags contradict it: "
+                         f"{contradictions}. Drop them, or start a new run (another --run-dir)")
 
 
 def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
@@ -99,6 +140,7 @@ def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
     check_free(run_dir)
     data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
+    check_fits(recipe, data.num_features, data.num_classes)
     run_dir.mkdir(parents=True, exist_ok=True)
     with lock_run_dir(run_dir, "ladle.train --average-every"):
         meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir, tuple(args.log))

@@ -3,14 +3,15 @@
 The loggers follow torchtune's metric loggers: ``log(row)`` once an epoch, ``close()`` at the end
 (:class:`MetricLogger`). Each process writes its own ``metrics-<name>.csv`` (:meth:`RunDir.metrics_part`),
 so no two processes share a file, and the launcher merges them into the run's ``metrics.csv`` when it
-ends (:func:`merge_metrics`). A model that resumes at epoch ``e`` keeps the rows of epochs before ``e``
-and drops the rest, so no epoch appears twice; TensorBoard hides the events at ``e`` or later
+ends, then removes them (:func:`merge_metrics`). A model that resumes at epoch ``e`` keeps the rows of
+epochs before ``e`` and drops the rest, so no epoch appears twice; TensorBoard hides the events at ``e`` or later
 (``SummaryWriter(purge_step=e)``). Columns: :data:`COLUMNS`; ``val_acc``/``val_loss`` are empty at an
 epoch without validation; ``seconds`` is the model's training time so far, resumed time included.
 """
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import Any, Protocol
 
 from ladle.core.errors import LadleError
 from ladle.core.rundir import RunDir
-from ladle.core.storage import atomic_open
+from ladle.core.storage import atomic_open, check_regular
 from ladle.nn.scoring import Metrics
 
 COLUMNS = ("run", "name", "role", "k", "epoch", "train_loss", "val_acc", "val_loss", "lr", "seconds")
 ROLES = ("ingredient", "baseline", "trunk", "trunk-continued", "averaged", "varrate")
 LOGGERS = ("tensorboard",)  # extra loggers for --log; the CSV is always written
 SCALARS = ("train_loss", "val_acc", "val_loss", "lr")  # what TensorBoard plots against the epoch
+log = logging.getLogger(__name__)
 
 
 class MetricLogger(Protocol):
@@ -56,9 +58,26 @@ def summary_writer() -> type:
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a metrics CSV (a half-written last line, from a crash, is dropped)."""
-    with open(path, newline="") as stream:
-        return [row for row in csv.DictReader(stream) if row.get("seconds") not in (None, "")]
+    """The rows of a metrics CSV (a half-written last line, from a crash, is dropped); a damaged file is a
+    :class:`LadleError` naming it."""
+    check_regular(path)
+    try:
+        with open(path, newline="") as stream:
+            rows = [row for row in csv.DictReader(stream) if row.get("seconds") not in (None, "")]
+        for row in rows:
+            int(row["epoch"])
+    except (csv.Error, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise LadleError(f"training curves {path} are damaged ({type(error).__name__})") from None
+    return rows
+
+
+def _readable_rows(path: Path, fallback: str) -> list[dict[str, str]] | None:
+    """:func:`read_rows`, or None (``fallback`` says what happens instead, in a warning) when damaged."""
+    try:
+        return read_rows(path)
+    except LadleError as error:
+        log.warning("%s; %s", error, fallback)
+        return None
 
 
 def _cell(value: Any) -> Any:
@@ -73,7 +92,8 @@ class CSVLogger:
     earlier epochs already in the file are kept (the file is first rewritten atomically without the rest)."""
 
     def __init__(self, path: Path, resume_epoch: int = 0) -> None:
-        kept = [row for row in read_rows(path) if int(row["epoch"]) < resume_epoch] if path.is_file() else []
+        earlier = _readable_rows(path, "its earlier epochs are left out") if path.exists() else None
+        kept = [row for row in earlier or [] if int(row["epoch"]) < resume_epoch]
         with atomic_open(path, "w") as stream:
             writer = csv.DictWriter(stream, COLUMNS, lineterminator="\n")
             writer.writeheader()
@@ -146,16 +166,27 @@ class EpochLogger:
 
 
 def merge_metrics(run_dir: Path) -> Path | None:
-    """Write ``metrics.csv``: every ``metrics-<name>.csv`` of the run, ``run`` set to the folder's name,
-    sorted by name, k and epoch; None (nothing written) when no model has logged yet."""
+    """Merge every ``metrics-<name>.csv`` of the run into ``metrics.csv`` and remove them: a part's rows replace
+    that model's rows from the part's first epoch on (a resumed model), ``run`` is set to the folder's name,
+    rows are sorted by name, k and epoch. None (nothing written) when no model has logged yet. A damaged part
+    is named in a warning and left in place."""
     files = RunDir(run_dir)
-    parts = files.metrics_parts()
-    if not parts:
-        return None
-    rows = [row | {"run": files.path.name} for part in parts for row in read_rows(part)]
+    parts = {part: _readable_rows(part, "left out of the merged curves") for part in files.metrics_parts()}
+    merged = {part: rows for part, rows in parts.items() if rows is not None}
+    if not merged:
+        return files.metrics if files.metrics.is_file() else None
+    new = [row for rows in merged.values() for row in rows]
+    first: dict[str, int] = {}
+    for row in new:
+        first[row["name"]] = min(first.get(row["name"], int(row["epoch"])), int(row["epoch"]))
+    earlier = _readable_rows(files.metrics, "rewritten from the parts alone") if files.metrics.is_file() else None
+    rows = [row for row in earlier or [] if int(row["epoch"]) < first.get(row["name"], math.inf)] + new
+    rows = [row | {"run": files.path.name} for row in rows]
     rows.sort(key=lambda row: (row["name"], int(row["k"] or -1), int(row["epoch"])))
     with atomic_open(files.metrics, "w") as stream:
         writer = csv.DictWriter(stream, COLUMNS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    for part in merged:
+        part.unlink(missing_ok=True)
     return files.metrics

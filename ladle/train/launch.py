@@ -9,13 +9,10 @@ group, no messages; each writes its own checkpoint and returns its metadata.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import ctypes
 import datetime as dt
 import logging
 import multiprocessing as mp
 import os
-import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, recipe_from_dict
-from ladle.core.resources import available_cores, resolve_device
+from ladle.core.resources import available_cores, die_with_parent, resolve_device
 from ladle.core.rundir import (
     BASELINE,
     CHECKPOINTS,
@@ -34,8 +31,10 @@ from ladle.core.rundir import (
     RunDir,
     check_free,
     check_same_run,
+    hold_as_worker,
     lock_run_dir,
     new_run_dir,
+    read_run,
     resolve_run_dir,
     update_latest,
 )
@@ -43,8 +42,13 @@ from ladle.core.storage import read_json, save_state, write_json
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards
-from ladle.nn.models import build_model
-from ladle.nn.saved import expected_shapes, verify_finished
+from ladle.nn.models import build_model, check_fits
+from ladle.nn.saved import (
+    check_same_data,
+    data_record,
+    expected_shapes,
+    verify_finished,
+)
 from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.loop import train_task
@@ -52,7 +56,6 @@ from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import INGREDIENT, SAVE_EVERY, IngredientTask, RunSpec
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -113,18 +116,10 @@ class _Worker:
 _worker: _Worker | None = None  # one per worker process, set by the pool initialiser
 
 
-def _die_with_launcher() -> None:
-    """On Linux, ask the kernel to SIGTERM this worker when its launcher dies (killed, even by SIGKILL), so no
-    worker trains on, orphaned, into a run whose lock is gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:  # the launcher died before the request: nobody is left to train for
-            os._exit(1)
-
-
 def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
     global _worker
-    _die_with_launcher()
+    die_with_parent()  # and, until this process ends, the run directory stays owned:
+    hold_as_worker(Path(shards).parent)
     _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
 
 
@@ -161,6 +156,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     check_free(run_path)
     check_same_run(run_path, spec.definition())
     shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
+    check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"])
     try:
         run_path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -183,7 +179,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
             "created": dt.datetime.now().isoformat(timespec="seconds"),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
-            "shards": shards.meta["key"], "status": "running",
+            "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root), "status": "running",
         }
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
@@ -204,13 +200,16 @@ def _check_creatable(run_path: Path) -> None:
 
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
-               backend: str | None = None, ray_options: dict[str, Any] | None = None) -> RunResult:
+               backend: str | None = None, ray_options: dict[str, Any] | None = None,
+               allow_other_data: bool = False) -> RunResult:
     """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
     loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
-    (or from scratch), bitwise as if never stopped."""
+    (or from scratch), bitwise as if never stopped. The data must be the run's (``run.json`` records its
+    identity), unless ``allow_other_data``."""
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
-        run_meta = read_json(RunDir(run_path).run_json)
+        run_meta = read_run(run_path)
+        check_same_data(run_meta, run_path, data_root, allow_other_data)
         spec = RunSpec.from_json(run_meta)
         check_loggers(spec.log)
         backend = backend or run_meta.get("backend", "local")
@@ -251,7 +250,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
         return run_ray(batch, recipe, data_root, device, ray_options or {})
 
     results, failed = {}, {}
-    if recipe.trunk.epochs and not files.finished(TRUNK):  # once, in one worker, before the branches
+    if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta)):  # once, before the branches
         trunk = spec.trunk_task(run_path)
         results, failed = run([trunk], 1)
         if failed:
@@ -304,7 +303,8 @@ def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers
             task = pending[future]
             try:
                 results[task.name] = future.result()
-            except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError) as error:
+            except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError,
+                    LadleError) as error:  # e.g. a shard damaged since the run began
                 log.error("%s failed: %s", task.name, error)
                 failed[task.name] = f"{type(error).__name__}: {error}"
     return results, failed

@@ -227,24 +227,27 @@ def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
 
 
 def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
-    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, kept weights."""
+    """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, kept weights.
+
+    A damaged file, or one of another architecture, is a :class:`LadleError` (the caller restores what was
+    partly loaded and trains from the start)."""
     tensors, header = load_state_and_metadata(task.progress_path)
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    except RuntimeError:
-        raise LadleError(f"{task.progress_path} was written by another architecture; delete it to restart") from None
-    state: dict[int, dict[str, Tensor]] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim."):
-            _, index, name = key.split(".", 2)
-            state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
-    torch.set_rng_state(tensors["rng"])
-    cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_states[:torch.cuda.device_count()])
-    best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
-    return Progress(**json.loads(header["progress"])), best_state
+        state: dict[int, dict[str, Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optim."):
+                _, index, name = key.split(".", 2)
+                state.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict({"state": state, "param_groups": json.loads(header["param_groups"])})
+        torch.set_rng_state(tensors["rng"])
+        cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
+        if cuda_states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda_states[:torch.cuda.device_count()])
+        best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
+        return Progress(**json.loads(header["progress"])), best_state
+    except (RuntimeError, KeyError, ValueError, TypeError) as error:
+        raise LadleError(f"{task.progress_path} does not fit this model ({type(error).__name__})") from None
 
 
 def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: GraphInputs | None = None,
@@ -279,11 +282,18 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
     torch.manual_seed(seed)
     model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=settings.weight_decay)
+    progress, kept = Progress(), copy.deepcopy(model.state_dict())
     if task.progress_path.exists():
-        progress, kept = load_progress(task, model, optimizer)
-        log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
-    else:
-        progress, kept = Progress(), copy.deepcopy(model.state_dict())
+        fresh_optimizer, fresh_rng = copy.deepcopy(optimizer.state_dict()), torch.get_rng_state()
+        try:
+            progress, kept = load_progress(task, model, optimizer)
+            log.info("%s: resuming at epoch %d", task.name, progress.next_epoch)
+        except LadleError as error:  # damaged: undo what was partly loaded, train from the start
+            log.warning("%s: %s; training it from the start", task.name, error)
+            model.load_state_dict(kept)
+            optimizer.load_state_dict(fresh_optimizer)
+            torch.set_rng_state(fresh_rng)
+            task.progress_path.unlink(missing_ok=True)
 
     if full_inputs is None:
         full_inputs = graph_inputs(data, recipe.model)

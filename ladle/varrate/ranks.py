@@ -16,8 +16,15 @@ import torch.distributed as dist
 from ladle.core.collectives import ring_broadcast_bytes
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, recipe_from_dict
-from ladle.core.resources import available_cores, resolve_device
-from ladle.core.rundir import RunDir, new_run_dir
+from ladle.core.resources import available_cores, die_with_parent, resolve_device
+from ladle.core.rundir import (
+    RunDir,
+    check_free,
+    check_varrate_dir,
+    hold_as_worker,
+    lock_run_dir,
+    new_run_dir,
+)
 from ladle.core.storage import read_json
 from ladle.graph.datasets import load_dataset
 from ladle.varrate.halo import partition_nodes
@@ -85,7 +92,10 @@ def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data
 
 def _spawned_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any], options: VarrateOptions,
                   run_dir: Path, data_root: str | None) -> None:
-    """Entry point of a rank started by :func:`run_spawned` (a fresh, spawned process)."""
+    """Entry point of a rank started by :func:`run_spawned` (a fresh, spawned process): it dies with its launcher
+    and keeps the run directory owned while it lives."""
+    die_with_parent()
+    hold_as_worker(run_dir)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     run_rank(recipe_from_dict(recipe_dict), options, run_dir, data_root, rank, f"tcp://127.0.0.1:{port}", rank, world)
 
@@ -121,22 +131,41 @@ def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = 
     """
     data_root = None if data_root is None else str(data_root)
     options = _resolve(options, options.ranks)
-    check_inputs(recipe, options, data_root)
     run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
-    run_path.mkdir(parents=True, exist_ok=True)
+    _check_run_dir(run_path)
+    check_inputs(recipe, options, data_root)
+    _make_run_dir(run_path)
+    args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root)
+    with lock_run_dir(run_path, "ladle.varrate"):
+        check_varrate_dir(run_path)  # again, now that no one else can write it
+        try:
+            torch.multiprocessing.start_processes(_spawned_rank, args=args, nprocs=options.ranks,
+                                                  start_method="spawn")
+        except torch.multiprocessing.ProcessRaisedException as error:
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            log.debug("%s", error)
+            raise RuntimeError(f"rank {error.error_index} failed: {lines[-1] if lines else error}") from None
+        except torch.multiprocessing.ProcessExitedException as error:
+            raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}; the other ranks "
+                               "were stopped") from None
+        return read_json(RunDir(run_path).varrate_json)
+
+
+def _check_run_dir(run_path: Path) -> None:
+    """Refuse, before any work, a run directory varrate may not write: see :func:`check_varrate_dir`, and one
+    another command owns."""
+    check_varrate_dir(run_path)
+    if run_path.is_dir():
+        check_free(run_path)
+
+
+def _make_run_dir(run_path: Path) -> None:
+    try:
+        run_path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create run directory {run_path}: {error.strerror} (choose another --run-dir)") from None
     if not os.access(run_path, os.W_OK):
         raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
-    args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root)
-    try:
-        torch.multiprocessing.start_processes(_spawned_rank, args=args, nprocs=options.ranks, start_method="spawn")
-    except torch.multiprocessing.ProcessRaisedException as error:
-        lines = [line for line in str(error).strip().splitlines() if line.strip()]
-        log.debug("%s", error)
-        raise RuntimeError(f"rank {error.error_index} failed: {lines[-1] if lines else error}") from None
-    except torch.multiprocessing.ProcessExitedException as error:
-        raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}; the other ranks "
-                           "were stopped") from None
-    return read_json(RunDir(run_path).varrate_json)
 
 
 def _resolve(options: VarrateOptions, world: int) -> VarrateOptions:
@@ -162,7 +191,11 @@ def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
     options = _resolve(options, world)
     check_model(recipe)
     rank = int(os.environ["RANK"])
-    run_path = (Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)) if rank == 0 else None
-    if run_path is not None:
-        run_path.mkdir(parents=True, exist_ok=True)
-    return run_rank(recipe, options, run_path, data_root, int(os.environ.get("LOCAL_RANK", rank)))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if rank != 0:  # rank 0 alone writes the run directory
+        return run_rank(recipe, options, None, data_root, local_rank)
+    run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
+    _check_run_dir(run_path)
+    _make_run_dir(run_path)
+    with lock_run_dir(run_path, "ladle.varrate"):
+        return run_rank(recipe, options, run_path, data_root, local_rank)
