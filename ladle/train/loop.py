@@ -25,11 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Data
-from tqdm import tqdm
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import IngredientSettings, Recipe, ViewConfig
-from ladle.core.resources import peak_rss_mb
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK
 from ladle.core.seeds import worker_seed
 from ladle.core.storage import (
@@ -37,7 +35,6 @@ from ladle.core.storage import (
     load_state,
     load_state_and_metadata,
     save_state,
-    write_json,
 )
 from ladle.core.weights import running_mean
 from ladle.graph.inputs import GraphInputs, graph_inputs
@@ -45,7 +42,7 @@ from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import Metrics, evaluate
-from ladle.train.curves import EpochLogger
+from ladle.train.finish import epoch_loop, finish
 from ladle.train.task import INGREDIENT, IngredientTask
 
 log = logging.getLogger(__name__)
@@ -313,57 +310,39 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
         # the trunk's weights are epoch -1 of the selection: a branch never keeps worse than its start
         progress.update(-1, evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device)))
 
-    bar = tqdm(total=schedule.epochs, initial=progress.next_epoch, desc=task.name, position=progress_position,
-               leave=False, dynamic_ncols=True, disable=None)
-    curves = EpochLogger(files.path, task.name, task.role, task.log, progress.next_epoch)
-    for epoch in range(progress.next_epoch, schedule.epochs):
-        if keep == "best" and progress.exhausted(schedule.patience):
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = schedule.lr_at(epoch)
-        try:
+    with epoch_loop(files.path, task.name, task.role, task.log, schedule.epochs, progress.next_epoch,
+                    position=progress_position) as (bar, curves):
+        for epoch in range(progress.next_epoch, schedule.epochs):
+            if keep == "best" and progress.exhausted(schedule.patience):
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = schedule.lr_at(epoch)
             train_loss, steps = train_epoch(model, optimizer, view, first_view_epoch + epoch, batch_inputs, task.name,
                                             device)
-        except FloatingPointError:
-            bar.close()
-            curves.close()
-            raise
-        val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
-        curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
-                     seconds=progress.seconds + time.perf_counter() - start)
-        if progress.update(epoch, val) and keep == "best":
-            kept = copy.deepcopy(model.state_dict())
-        if keep == "swa" and epoch >= schedule.swa_start:
-            progress.averaged += 1
-            kept = running_mean(kept, model.state_dict(), progress.averaged)
-        progress.next_epoch, progress.steps = epoch + 1, progress.steps + steps
-        if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < schedule.epochs:
-            save_progress(task, model, optimizer, kept,
-                          replace(progress, seconds=progress.seconds + time.perf_counter() - start))
-        bar.update(1)
-        bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
-    bar.close()
-    curves.close()
+            val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
+            curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
+                         seconds=progress.seconds + time.perf_counter() - start)
+            if progress.update(epoch, val) and keep == "best":
+                kept = copy.deepcopy(model.state_dict())
+            if keep == "swa" and epoch >= schedule.swa_start:
+                progress.averaged += 1
+                kept = running_mean(kept, model.state_dict(), progress.averaged)
+            progress.next_epoch, progress.steps = epoch + 1, progress.steps + steps
+            if task.save_every and progress.next_epoch % task.save_every == 0 and progress.next_epoch < schedule.epochs:
+                save_progress(task, model, optimizer, kept,
+                              replace(progress, seconds=progress.seconds + time.perf_counter() - start))
+            bar.update(1)
+            bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
 
-    if keep != "last":
-        model.load_state_dict(kept)
-    val = evaluate(model, full_inputs, data.y.to(device), data.val_mask.to(device))
-    test = evaluate(model, full_inputs, data.y.to(device), data.test_mask.to(device))
-    save_state(files.weights(task.name), model.state_dict())
-    meta = {
+    meta = finish(model, None if keep == "last" else kept, files.weights(task.name), files.meta(task.name), {
         "name": task.name, "role": task.role, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
         "epochs_run": progress.next_epoch, "steps": progress.steps, "best_epoch": progress.best_epoch,
-        "view_val_acc": progress.best_acc,
-        "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
-        "metrics_on": "graph" if part_view is None else "part",
-        "plan": asdict(schedule), "settings": asdict(settings), "keep": keep, "keep_reason": keep_reason, "view_val_nodes": val_nodes,
-        "start": TRUNK if from_trunk(recipe, task) else task.init,
-        "train_seconds": progress.seconds + time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(),
-        "pid": os.getpid(), "threads": torch.get_num_threads(),
+        "view_val_acc": progress.best_acc, "metrics_on": "graph" if part_view is None else "part",
+        "plan": asdict(schedule), "settings": asdict(settings), "keep": keep, "keep_reason": keep_reason,
+        "view_val_nodes": val_nodes, "start": TRUNK if from_trunk(recipe, task) else task.init,
+        "train_seconds": progress.seconds + time.perf_counter() - start, "pid": os.getpid(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
-        "status": "done",
-    }
-    write_json(files.meta(task.name), meta)
+    }, scored_on=(full_inputs, data))
     task.progress_path.unlink(missing_ok=True)
     return meta

@@ -28,17 +28,17 @@ from tqdm import tqdm
 from ladle.core.collectives import ring_allreduce_bytes
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
-from ladle.core.resources import peak_rss_mb
 from ladle.core.rundir import AVERAGED, RunDir
 from ladle.core.seeds import worker_seed
-from ladle.core.storage import StateDict, save_state, write_json
+from ladle.core.storage import StateDict
 from ladle.core.weights import average
 from ladle.graph.inputs import GraphInputs, graph_inputs
 from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import evaluate
-from ladle.train.curves import EpochLogger, check_loggers, merge_metrics
+from ladle.train.curves import EpochLogger, check_loggers
+from ladle.train.finish import epoch_loop, finish
 from ladle.train.loop import BatchInputs, BestEpoch, train_epoch
 from ladle.train.task import check_ingredients
 
@@ -107,30 +107,21 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
         views = [first] + [with_sampler(build_view(data, recipe.view, k, ingredients, recipe.seed, partition))
                            for k in range(1, ingredients)]
         trainers = [_Trainer(recipe, data, view, init, full_inputs) for view in views]
-        curves = EpochLogger(run_dir, AVERAGED, "averaged", log)
-        try:
-            meta = _lockstep(recipe, data, trainers, average_every, full_inputs, curves)
-        finally:
-            curves.close()
-    model = trainers[0].model
-    model.load_state_dict(meta.pop("best_state"))
-    val = evaluate(model, full_inputs, data.y, data.val_mask)
-    test = evaluate(model, full_inputs, data.y, data.test_mask)
-    save_state(files.weights(AVERAGED), model.state_dict())
-    meta |= {
+        with epoch_loop(run_dir, AVERAGED, "averaged", log, recipe.epochs, desc=f"averaging K={ingredients}") as (
+                bar, curves):
+            meta = _lockstep(recipe, data, trainers, average_every, full_inputs, bar, curves)
+    best_state = meta.pop("best_state")
+    return finish(trainers[0].model, best_state, files.weights(AVERAGED), files.meta(AVERAGED), meta | {
         "name": AVERAGED, "ingredients": ingredients, "average_every": average_every, "recipe": recipe.to_dict(),
-        "views": [t.view.describe() for t in trainers],
-        "val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc,
-        "bytes_formula": "ring all-reduce, summed over trainers: 2 (K - 1) x model_bytes per average (ladle.core.collectives)", "lockstep": "in-process",
-        "seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "status": "done",
-    }
-    write_json(files.meta(AVERAGED), meta)
-    merge_metrics(run_dir)
-    return meta
+        "views": [t.view.describe() for t in trainers], "lockstep": "in-process",
+        "bytes_formula": "ring all-reduce, summed over trainers: 2 (K - 1) x model_bytes per average "
+                         "(ladle.core.collectives)",
+        "seconds": time.perf_counter() - start,
+    }, scored_on=(full_inputs, data), curves_of=run_dir)
 
 
 def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_every: int,
-              full_inputs: GraphInputs, curves: EpochLogger) -> dict[str, Any]:
+              full_inputs: GraphInputs, bar: tqdm, curves: EpochLogger) -> dict[str, Any]:
     """Step every trainer one epoch at a time; average and validate every ``average_every`` epochs; log a
     row per trainer and epoch."""
     start = time.perf_counter()
@@ -138,8 +129,6 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
     best, averages, sent, model_bytes, last_average = BestEpoch(), 0, 0, 0, -1
     best_state: StateDict = copy.deepcopy(models[0].state_dict())
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=recipe.epochs, desc=f"averaging K={len(trainers)}", leave=False, dynamic_ncols=True,
-               disable=None)
     for epoch in range(recipe.epochs):
         if best.exhausted(recipe.patience):
             break
@@ -161,6 +150,5 @@ def _lockstep(recipe: Recipe, data: Data, trainers: list[_Trainer], average_ever
         for trainer, loss in zip(trainers, losses):
             curves.epoch(epoch, k=trainer.view.k, train_loss=loss, val=val,
                          lr=trainer.optimizer.param_groups[0]["lr"], seconds=seconds)
-    bar.close()
     return {"best_state": best_state, "best_epoch": best.best_epoch, "epochs_run": last_average + 1,
             "averages": averages, "model_bytes": model_bytes, "bytes": sent, "history": history}

@@ -15,19 +15,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Data
-from tqdm import tqdm
 
 from ladle.core.collectives import ring_allreduce_bytes
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
 from ladle.core.rundir import RunDir
 from ladle.core.seeds import worker_seed
-from ladle.core.storage import save_state, write_json
 from ladle.graph.inputs import Features, use_sparse_features
 from ladle.graph.sparse import SparseMatrix
 from ladle.nn.models import GNN, GCNLayer, SAGELayer, build_model, project_features
 from ladle.nn.scoring import Metrics, metric_sums
-from ladle.train.curves import EpochLogger, merge_metrics
+from ladle.train.finish import epoch_loop, finish
 from ladle.train.loop import BestEpoch
 from ladle.varrate.compression import RateSchedule, build_compressor
 from ladle.varrate.halo import (
@@ -191,85 +189,77 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     history: list[dict[str, Any]] = []
     best, best_state, best_test = BestEpoch(), copy.deepcopy(model.state_dict()), 0.0
     training, sent_total, last_eval = 0, setup, -1
-    bar = tqdm(total=recipe.epochs, desc=f"varrate {options.schedule.kind}", dynamic_ncols=True,
-               disable=True if rank != 0 else None)
-    curves = EpochLogger(run_dir, "varrate", "varrate", options.log) if rank == 0 and run_dir is not None else None
     start = time.perf_counter()
     if rank == 0:
         log.info("training %d ranks, %s partition, schedule %s, compressor %s, %d epochs, evaluating every %d",
                  world, options.partition, options.schedule.kind, options.compressor, recipe.epochs,
                  options.eval_every)
     epoch = 0
-    for epoch in range(recipe.epochs):
-        traffic = Traffic()
-        rate = options.schedule.rate(epoch, recipe.epochs)
-        evaluating = (epoch + 1) % options.eval_every == 0 or epoch + 1 == recipe.epochs
-        began = time.perf_counter()
-        try:
-            model.train()
-            exchange = None if rate is None else HaloExchange(part.plan, compressor, rate, recipe.seed, epoch, traffic)
-            loss = partition_loss(partition_forward(model, part.x, part.plan, exchange), part)
-            optimizer.zero_grad()
-            loss.backward()
-            allreduce_gradients(model, traffic)
-            optimizer.step()
-            step_seconds = time.perf_counter() - began
-            scores = [] if not evaluating else _metrics(model, part, HaloExchange(
-                part.plan, compressor, 1.0, recipe.seed, epoch, traffic, evaluating=True))
-            size = 1 + len(Traffic.FIELDS) + len(scores)
-            traffic.metrics += ring_allreduce_bytes(size, 8, world, rank)  # this very reduction, float64
-            local = torch.tensor([float(loss.detach())] + traffic.values() + scores, dtype=torch.float64,
-                                 device=device)
-            with collective("metrics all-reduce"):
-                dist.all_reduce(local)
-        except PeerFailure as error:
-            bar.close()
+    with epoch_loop(run_dir if rank == 0 else None, "varrate", "varrate", options.log, recipe.epochs,
+                    desc=f"varrate {options.schedule.kind}", show=rank == 0) as (bar, curves):
+        for epoch in range(recipe.epochs):
+            traffic = Traffic()
+            rate = options.schedule.rate(epoch, recipe.epochs)
+            evaluating = (epoch + 1) % options.eval_every == 0 or epoch + 1 == recipe.epochs
+            began = time.perf_counter()
+            try:
+                model.train()
+                exchange = None if rate is None else HaloExchange(part.plan, compressor, rate, recipe.seed, epoch,
+                                                                  traffic)
+                loss = partition_loss(partition_forward(model, part.x, part.plan, exchange), part)
+                optimizer.zero_grad()
+                loss.backward()
+                allreduce_gradients(model, traffic)
+                optimizer.step()
+                step_seconds = time.perf_counter() - began
+                scores = [] if not evaluating else _metrics(model, part, HaloExchange(
+                    part.plan, compressor, 1.0, recipe.seed, epoch, traffic, evaluating=True))
+                size = 1 + len(Traffic.FIELDS) + len(scores)
+                traffic.metrics += ring_allreduce_bytes(size, 8, world, rank)  # this very reduction, float64
+                local = torch.tensor([float(loss.detach())] + traffic.values() + scores, dtype=torch.float64,
+                                     device=device)
+                with collective("metrics all-reduce"):
+                    dist.all_reduce(local)
+            except PeerFailure as error:
+                raise PeerFailure(f"rank {rank}, epoch {epoch}: {error}; another rank died or stalled for more than "
+                                  f"{options.timeout:g} s (--timeout) - check its output") from None
+            total = local.cpu().tolist()
+            counts = dict(zip(Traffic.FIELDS, (int(v) for v in total[1:1 + len(Traffic.FIELDS)])))
+            training += counts["forward_halo"] + counts["backward_halo"] + counts["allreduce"]
+            sent_total += sum(counts.values())
+            row: dict[str, Any] = {"epoch": epoch, "rate": rate, "loss": total[0], "train_acc": None,
+                                   "val_acc": None, "val_loss": None, "test_acc": None}
+            if evaluating:
+                train_hits, val_hits, test_hits, val_loss_sum = total[1 + len(Traffic.FIELDS):]
+                val = Metrics(val_hits / max(1, n_val), val_loss_sum / max(1, n_val))
+                row |= {"train_acc": train_hits / max(1, n_train), "val_acc": val.acc, "val_loss": val.loss,
+                        "test_acc": test_hits / max(1, n_test)}
+                if best.update(epoch, val, elapsed=epoch - last_eval):
+                    best_test = row["test_acc"]
+                    if rank == 0:
+                        best_state = copy.deepcopy(model.state_dict())
+                last_eval = epoch
             if curves is not None:
-                curves.close()
-            raise PeerFailure(f"rank {rank}, epoch {epoch}: {error}; another rank died or stalled for more than "
-                              f"{options.timeout:g} s (--timeout) - check its output") from None
-        total = local.cpu().tolist()
-        counts = dict(zip(Traffic.FIELDS, (int(v) for v in total[1:1 + len(Traffic.FIELDS)])))
-        training += counts["forward_halo"] + counts["backward_halo"] + counts["allreduce"]
-        sent_total += sum(counts.values())
-        row: dict[str, Any] = {"epoch": epoch, "rate": rate, "loss": total[0], "train_acc": None, "val_acc": None,
-                               "val_loss": None, "test_acc": None}
-        if evaluating:
-            train_hits, val_hits, test_hits, val_loss_sum = total[1 + len(Traffic.FIELDS):]
-            val = Metrics(val_hits / max(1, n_val), val_loss_sum / max(1, n_val))
-            row |= {"train_acc": train_hits / max(1, n_train), "val_acc": val.acc, "val_loss": val.loss,
-                    "test_acc": test_hits / max(1, n_test)}
-            if best.update(epoch, val, elapsed=epoch - last_eval):
-                best_test = row["test_acc"]
-                if rank == 0:
-                    best_state = copy.deepcopy(model.state_dict())
-            last_eval = epoch
-        if curves is not None:
-            checked = Metrics(row["val_acc"], row["val_loss"]) if evaluating else None
-            curves.epoch(epoch, k=None, train_loss=total[0], val=checked, lr=optimizer.param_groups[0]["lr"],
-                         seconds=time.perf_counter() - start)
-        history.append(row | counts | {
-            "best_test_acc": best_test, "training_bytes": training, "total_bytes": sent_total,
-            "step_seconds": step_seconds, "eval_seconds": time.perf_counter() - began - step_seconds,
-        })
-        bar.update(1)
-        bar.set_postfix(rate="-" if rate is None else f"{rate:.1f}", best=f"{best.best_acc:.3f}",
-                        halo=_megabytes(counts["forward_halo"] + counts["backward_halo"]),
-                        allreduce=_megabytes(counts["allreduce"]))
-        if best.exhausted(recipe.patience):
-            break
-    bar.close()
+                checked = Metrics(row["val_acc"], row["val_loss"]) if evaluating else None
+                curves.epoch(epoch, k=None, train_loss=total[0], val=checked, lr=optimizer.param_groups[0]["lr"],
+                             seconds=time.perf_counter() - start)
+            history.append(row | counts | {
+                "best_test_acc": best_test, "training_bytes": training, "total_bytes": sent_total,
+                "step_seconds": step_seconds, "eval_seconds": time.perf_counter() - began - step_seconds,
+            })
+            bar.update(1)
+            bar.set_postfix(rate="-" if rate is None else f"{rate:.1f}", best=f"{best.best_acc:.3f}",
+                            halo=_megabytes(counts["forward_halo"] + counts["backward_halo"]),
+                            allreduce=_megabytes(counts["allreduce"]))
+            if best.exhausted(recipe.patience):
+                break
     if rank != 0:
         return None
-    assert run_dir is not None and curves is not None
-    curves.close()
-    merge_metrics(run_dir)
+    assert run_dir is not None
     files = RunDir(run_dir)
-    model.load_state_dict(best_state)
-    save_state(files.varrate_model, model.state_dict())
     meta = _summary(recipe, options, world, history, best, best_test, epoch + 1, sizes, setup, model)
-    meta["run_dir"] = str(run_dir.resolve())
-    write_json(files.varrate_json, meta)
+    meta = finish(model, best_state, files.varrate_model, files.varrate_json, meta | {"run_dir": str(run_dir.resolve())},
+                  curves_of=run_dir)
     write_bytes_report(run_dir, f"varrate on {recipe.dataset}: {options.schedule.kind}", [report_entry(meta)])
     return meta
 
