@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_module
+from conftest import TRUNKLESS, run_in_process, run_module
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
@@ -113,7 +113,7 @@ def test_resume_and_soup_refuse_other_data(trunk_run: Path, data_root: Path, tmp
                                              "ones .*--allow-other-data if they are the same data"):
             attempt()
     assert soup_run(run, method="uniform", data_root=copy, write=False, allow_other_data=True)["soups"]
-    error = _one_line(run_module("ladle.soup", "--run-dir", str(run), "--data-root", str(copy)))
+    error = _one_line(run_in_process("ladle.soup", "--run-dir", str(run), "--data-root", str(copy)))
     assert "holds other ones" in error
     assert json.loads((run / "run.json").read_text())["status"] == "done"
 
@@ -124,18 +124,18 @@ def test_resume_and_soup_refuse_other_data(trunk_run: Path, data_root: Path, tmp
 def test_varrate_refuses_another_kind_of_run_a_file_and_a_locked_folder(trunk_run: Path, tmp_path: Path) -> None:
     run = _copy(trunk_run, tmp_path)
     before = {path.name: path.stat().st_mtime_ns for path in run.iterdir()}
-    error = _one_line(run_module("ladle.varrate", "--ranks", "2", "--run-dir", str(run)))
+    error = _one_line(run_in_process("ladle.varrate", "--ranks", "2", "--run-dir", str(run)))
     assert error == (f"error: run directory {run} holds a ladle.train run (run.json); a varrate run goes in a folder "
                      "of its own (choose another --run-dir)")
     assert {path.name: path.stat().st_mtime_ns for path in run.iterdir()} == before
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    assert "is not a directory" in _one_line(run_module("ladle.varrate", "--run-dir", str(a_file)))
+    assert "is not a directory" in _one_line(run_in_process("ladle.varrate", "--run-dir", str(a_file)))
     assert a_file.read_text() == "mine"
     empty = tmp_path / "varrate"
     empty.mkdir()
     with lock_run_dir(empty, "ladle.soup"):
-        assert "is in use by pid" in _one_line(run_module("ladle.varrate", "--run-dir", str(empty)))
+        assert "is in use by pid" in _one_line(run_in_process("ladle.varrate", "--run-dir", str(empty)))
 
 
 # ------------------------------------------------------------------ 8. only regular files are opened
@@ -190,7 +190,7 @@ def test_a_damaged_trunk_is_trained_again_and_a_foreign_one_refused(trunk_run: P
     assert all(torch.equal(expected[key], retrained[key]) for key in expected)
     foreign = build_model(load_recipe(None, [*TRUNKED, "hidden=32"]), cora_data.num_features, cora_data.num_classes)
     save_state(trunk, foreign.state_dict())
-    error = _one_line(run_module("ladle.soup", "--run-dir", str(run), "--data-root", str(data_root)))
+    error = _one_line(run_in_process("ladle.soup", "--run-dir", str(run), "--data-root", str(data_root)))
     assert "trunk.safetensors does not match the run's recipe" in error and "--resume" in error, error
 
 
@@ -266,7 +266,7 @@ def test_a_short_write_is_reported_as_a_full_disk(tmp_path: Path) -> None:
 ])
 def test_out_of_range_sizes_are_refused_before_anything_is_written(override: str, message: str, tmp_path: Path,
                                                                    data_root: Path) -> None:
-    error = _one_line(run_module("ladle.train", "-k", "1", override, "--run-dir", str(tmp_path / "run"),
+    error = _one_line(run_in_process("ladle.train", "-k", "1", override, "--run-dir", str(tmp_path / "run"),
                                  "--data-root", str(data_root)))
     assert message in error, error
     assert not (tmp_path / "run").exists()
@@ -285,7 +285,7 @@ def test_damaged_run_json_metrics_and_recipe_files_are_named(trunk_run: Path, da
     run = _copy(trunk_run, tmp_path)
     (run / "run.json").write_text("{}")
     for command in (("ladle.soup",), ("ladle.train", "--resume")):
-        error = _one_line(run_module(*command, "--run-dir", str(run), "--data-root", str(data_root)))
+        error = _one_line(run_in_process(*command, "--run-dir", str(run), "--data-root", str(data_root)))
         assert f"{run / 'run.json'} is not a ladle.train run.json this version can read" in error, error
     (run / "metrics-ingredient-00.csv").write_bytes(b"run,name,epoch\n\xff\xfe,\x00,x\n")
     with caplog.at_level(logging.WARNING):
@@ -293,16 +293,16 @@ def test_damaged_run_json_metrics_and_recipe_files_are_named(trunk_run: Path, da
     assert "metrics-ingredient-00.csv are damaged" in caplog.text and (run / "metrics-ingredient-00.csv").exists()
     binary = tmp_path / "recipe.yaml"
     binary.write_bytes(bytes(range(256)))
-    assert _one_line(run_module("ladle.train", "--recipe", str(binary))) == (
+    assert _one_line(run_in_process("ladle.train", "--recipe", str(binary))) == (
         f"error: recipe {binary} is not a text file (not UTF-8): give a YAML recipe")
-    error = _one_line(run_module("ladle.varrate", "--recipe", str(binary)))
+    error = _one_line(run_in_process("ladle.varrate", "--recipe", str(binary)))
     assert str(binary) in error
 
 
 def test_resume_refuses_flags_that_contradict_the_run(trunk_run: Path, data_root: Path, tmp_path: Path) -> None:
     run = _copy(trunk_run, tmp_path)
     before = {path.name: path.stat().st_mtime_ns for path in run.iterdir()}
-    error = _one_line(run_module("ladle.train", "--resume", "-k", "5", "hidden=32", "--run-dir", str(run)))
+    error = _one_line(run_in_process("ladle.train", "--resume", "-k", "5", "hidden=32", "--run-dir", str(run)))
     assert error == ("error: --resume finishes the run as it was recorded, and these flags contradict it: "
                      "hidden 32, run.json 64; --ingredients 5, run.json 2. Drop them, or start a new run (another "
                      "--run-dir)"), error

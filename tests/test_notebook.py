@@ -47,10 +47,11 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(data_root: Path, kernels: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The notebook run in its default mode, shrunk: train 3 ingredients for 30 epochs, then soup and plot."""
+    """The notebook run in its default mode, shrunk: train 3 ingredients of a trunkless recipe for 30 epochs, then
+    soup and plot."""
     out = tmp_path_factory.mktemp("notebook")
-    notebook = execute(kernels, data_root, ingredients="3", epochs="30", checkpoints=str(out / "checkpoints"),
-                       figures=str(out / "figures"))
+    notebook = execute(kernels, data_root, recipe="cora-gcn", ingredients="3", epochs="30",
+                       checkpoints=str(out / "checkpoints"), figures=str(out / "figures"))
     return out, printed(notebook)
 
 

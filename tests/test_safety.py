@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_module, train_then_kill
+from conftest import TRUNKLESS, run_in_process, run_module, train_then_kill
 
 from ladle.core.errors import LadleError
 from ladle.core.storage import load_state, save_state, write_json
@@ -56,8 +56,8 @@ def test_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]  # no temp files left
 
 
-TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUNKLESS, "view.kind=saint-rw", "epochs=120",
-              "patience=120"]
+TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUNKLESS, "view.kind=saint-rw", "epochs=40",
+              "patience=40"]
 
 
 def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Path) -> None:
@@ -116,10 +116,10 @@ def test_bad_input_rows(label: str, args: list[str], message: str, data_root: Pa
         assert made.returncode == 0, made.stderr
         weights = run_dir / "ingredient-01.safetensors"
         weights.write_bytes(weights.read_bytes()[:64])
-        result = run_module("ladle.soup", "--run-dir", str(run_dir), "--data-root", str(data_root))
+        result = run_in_process("ladle.soup", "--run-dir", str(run_dir), "--data-root", str(data_root))
     else:
         filled = [a.format(broken=broken, file=a_file) for a in args]
-        result = run_module("ladle.train", *filled, "--data-root", str(data_root))
+        result = run_in_process("ladle.train", *filled, "--data-root", str(data_root))
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TRUNKLESS, run_module
+from conftest import TRUNKLESS, run_in_process, run_module
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import ViewConfig, load_recipe
@@ -157,8 +157,8 @@ def test_non_finite_numbers_in_a_file_or_a_synthetic_spec(tmp_path: Path) -> Non
 
 
 def test_nan_learning_rate_writes_nothing(data_root: Path, tmp_path: Path) -> None:
-    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "lr=nan", "--data-root", str(data_root),
-                        "--run-dir", str(tmp_path / "run"))
+    result = run_in_process("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "lr=nan", "--data-root", str(data_root),
+                            "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr
     assert "recipe key 'lr' must be a finite number, got 'nan'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -345,6 +345,6 @@ def test_a_folder_of_the_users_own_files_is_not_a_run_directory(tmp_path: Path) 
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "report.md").write_text("my notes")
-    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "--run-dir", str(folder))
+    result = run_in_process("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "--run-dir", str(folder))
     assert result.returncode == 2 and "holds files but no ladle run (report.md): choose a new or empty" in result.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["report.md"] and (folder / "report.md").read_text() == "my notes"

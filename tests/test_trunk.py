@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_module, train_then_kill
+from conftest import TRUNKLESS, run_in_process, run_module, train_then_kill
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, save_state
@@ -100,17 +100,17 @@ def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_
     ("trunk.depth=2", "unknown recipe key 'trunk.depth'"),
 ])
 def test_bad_trunk_and_branch_keys_exit_2_naming_the_key(override: str, message: str, tmp_path: Path) -> None:
-    result = run_module("ladle.train", override, "--run-dir", str(tmp_path / "run"))
+    result = run_in_process("ladle.train", override, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_independent_init_with_a_trunk_is_refused(tmp_path: Path) -> None:
-    result = run_module("ladle.train", "trunk.epochs=5", "--independent-init", "--run-dir", str(tmp_path / "run"))
+    result = run_in_process("ladle.train", "trunk.epochs=5", "--independent-init", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--independent-init contradicts trunk.epochs > 0" in result.stderr
 
 
-TRUNK_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", "view.kind=cluster", "trunk.epochs=20",
+TRUNK_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", "view.kind=cluster", "trunk.epochs=12",
               "epochs=4", "branch.schedule=cos", "branch.keep=swa"]
 
 
@@ -129,7 +129,7 @@ def test_sigkill_in_the_trunk_then_resume_is_bitwise_identical(data_root: Path, 
         actual = load_state(run_dir / f"{name}.safetensors")
         assert all(torch.equal(expected[key], actual[key]) for key in expected), name
         assert not (run_dir / f"{name}.progress.safetensors").exists()
-    assert json.loads((run_dir / "run.json").read_text())["trunk"]["epochs_run"] == 20
+    assert json.loads((run_dir / "run.json").read_text())["trunk"]["epochs_run"] == 12
 
     # A finished trunk is reused, not retrained: drop one ingredient and resume.
     trunk_written = (run_dir / "trunk.safetensors").stat().st_mtime_ns
