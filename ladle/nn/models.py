@@ -53,7 +53,7 @@ class GNN(nn.Module):
     def __init__(self, model: str, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
                  dropout: float = 0.5, norm: str = "none", heads: int = 8) -> None:
         super().__init__()
-        self.model, self.dropout = model, dropout
+        self.model, self.dropout, self.in_channels = model, dropout, in_channels
         sizes = [in_channels] + [hidden] * (layers - 1) + [out_channels]
         self.convs = nn.ModuleList()
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):

@@ -1,5 +1,6 @@
 """What a run saved, read back checked: every checkpoint must hold the keys and shapes of a model built
-from the run's ``run.json`` recipe, and every ingredient its recipe."""
+from the run's ``run.json`` recipe, and every ingredient its recipe; any of its models loaded as a module
+(:func:`load_model`) or applied to a graph (:func:`predict`)."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import recipe_from_dict
-from ladle.core.rundir import RunDir, ingredient_name, read_run, recipe_difference
+from ladle.core.rundir import RunDir, ingredient_name, read_run, recipe_difference, resolve_run_dir
 from ladle.core.storage import StateDict, load_state, read_json
-from ladle.graph.datasets import dataset_identity, resolve_data_root
-from ladle.nn.models import build_model
+from ladle.graph.datasets import dataset_identity, load_dataset, resolve_data_root
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import GNN, build_model
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +129,47 @@ def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
         log.warning("souping %d of %d ingredients; missing or unfinished: %s", len(bundle.states),
                     run["ingredients"], ", ".join(bundle.missing))
     return bundle
+
+
+def load_model(run_dir: str | Path | None = None, name: str | None = None) -> GNN:
+    """A model a run saved, ready to use: a soup (``soup-<method>``), ``ingredient-XX``, ``trunk``,
+    ``trunk-continued``, ``baseline`` or ``averaged`` (None: the soup the run's report chose, the best on
+    validation), its weights checked against the run's recipe, in eval mode, with that recipe as
+    ``model.recipe``. ``run_dir`` None: ``checkpoints/latest``."""
+    path = resolve_run_dir(run_dir)
+    run, files = read_run(path), RunDir(path)
+    saved = sorted(p.name.removesuffix(".safetensors") for p in path.glob("*.safetensors")
+                   if p.name not in (files.init.name, files.partition.name) and ".progress." not in p.name)
+    if name is None:
+        chosen = read_json(files.report_json).get("parallel_phase") if files.report_json.is_file() else None
+        if not chosen:
+            raise LadleError(f"{path} has no soup report yet: soup it (python -m ladle.soup --run-dir {path}) or name "
+                             f"a model (it has: {', '.join(saved) or 'none'})")
+        name = str(chosen["best_soup"])
+    weights = files.weights(name)
+    if not weights.is_file():
+        raise LadleError(f"{path} has no model {name!r} (it has: {', '.join(saved) or 'none'})")
+    state = check_weights(weights, expected_shapes(run))
+    recipe = recipe_from_dict(run["recipe"])
+    with torch.random.fork_rng(devices=[]):  # the weights are replaced: leave the caller's RNG as it was
+        model = build_model(recipe, int(run["dataset"]["features"]), int(run["dataset"]["classes"]))
+    model.load_state_dict(state)
+    model.recipe = recipe
+    return model.eval()
+
+
+def predict(run_dir: str | Path | None = None, data: Data | None = None, name: str | None = None,
+            data_root: str | Path | None = None) -> Tensor:
+    """Logits of a run's model (:func:`load_model`) for every node of ``data``, a PyG ``Data`` with ``x`` and
+    ``edge_index`` whose features are prepared as ladle prepares the run's (:func:`~ladle.graph.datasets.load_dataset`
+    with the recipe's ``features``); None: the run's own dataset, loaded from ``data_root``."""
+    model = load_model(run_dir, name)
+    recipe = model.recipe
+    if data is None:
+        data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
+    if data.x is None or data.edge_index is None or data.x.dim() != 2:
+        raise LadleError("predict needs a graph with node features x (2-D) and edge_index")
+    if data.x.size(1) != model.in_channels:
+        raise LadleError(f"the graph has {data.x.size(1)} features per node, the model takes {model.in_channels}")
+    with torch.no_grad():
+        return model(graph_inputs(data, recipe.model))
