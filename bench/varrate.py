@@ -49,8 +49,8 @@ from ladle.core.recipe import (
     ViewConfig,
     load_recipe,
     recipe_from_dict,
-    resolve_recipe_path,
 )
+from ladle.core.recipe_files import resolve_recipe_path
 from ladle.core.resources import available_cores
 from ladle.core.storage import write_json
 from ladle.soup.pipeline import soup_run

@@ -12,8 +12,8 @@ from ladle.core.recipe import (
     Recipe,
     TrunkConfig,
     load_recipe,
-    recipe_dirs,
 )
+from ladle.core.recipe_files import recipe_dirs
 
 
 def test_default_recipe_file_is_the_embedded_default_with_a_trunk() -> None:

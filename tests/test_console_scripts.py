@@ -46,10 +46,11 @@ def test_entry_point_help_matches_the_module_form(name: str, monkeypatch: pytest
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pip") is None, reason="pip is not installed in this environment")
-def test_pip_installs_working_scripts(tmp_path: Path) -> None:
+def test_pip_installs_working_scripts(tmp_path: Path, data_root: Path) -> None:
     source = tmp_path / "source"
     source.mkdir()
-    shutil.copytree(PROJECT / "ladle", source / "ladle", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("ladle", "recipes"):
+        shutil.copytree(PROJECT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(PROJECT / name, source / name)
     target = tmp_path / "site"
@@ -68,3 +69,15 @@ def test_pip_installs_working_scripts(tmp_path: Path) -> None:
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert missing.returncode == 2
     assert "run directory" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+    # the shipped recipes are package data: found from a folder with no recipes/ of its own
+    listed = subprocess.run([str(target / "bin" / "ladle-train"), "--list-recipes"], capture_output=True, text=True,
+                            env=env, cwd=tmp_path, timeout=300)
+    shipped = sorted(path.stem for path in (PROJECT / "recipes").glob("*.yaml"))
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == shipped, listed.stderr
+    assert all(str(target / "ladle" / "recipes") in line for line in listed.stdout.splitlines())
+    trained = subprocess.run([str(target / "bin" / "ladle-train"), "--recipe", "default", "-k", "1", "trunk.epochs=1",
+                              "epochs=1", "--data-root", str(data_root), "--run-dir", str(tmp_path / "run")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    assert (tmp_path / "run" / "ingredient-00.safetensors").is_file()

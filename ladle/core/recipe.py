@@ -11,13 +11,12 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import check_regular
+from ladle.core.recipe_files import RecipeLoader, read_recipe_file
 
 MODEL_KINDS = ("gcn", "sage", "gat")
 NORM_KINDS = ("none", "batch", "layer")
@@ -205,17 +204,6 @@ def _is_file_name(name: str) -> bool:
             and name.isprintable())
 
 
-class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` without aliases: a recipe is a few keys, and nested aliases expand exponentially
-    (a 623-byte file can stand for gigabytes)."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a recipe",
-                                              self.peek_event().start_mark)
-        return super().compose_node(parent, index)
-
-
 def _shown(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: an error names a bad value, it does not print a huge one."""
     text = repr(value)
@@ -302,28 +290,6 @@ def _merge(base: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def recipe_dirs() -> list[Path]:
-    """Where ``--recipe NAME`` is looked up: ``./recipes`` then the project's own ``recipes/``."""
-    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
-
-
-def resolve_recipe_path(name_or_path: str) -> Path:
-    """A recipe file from a path or a name in one of :func:`recipe_dirs`."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    for folder in recipe_dirs():
-        candidate = folder / f"{name_or_path}.yaml"
-        if candidate.is_file():
-            return candidate
-    if path.is_dir():
-        raise LadleError(f"recipe {path} is a directory, not a recipe file (give a .yaml file or a recipe name)")
-    available = sorted({p.stem for d in recipe_dirs() if d.is_dir() for p in d.glob("*.yaml")})
-    raise LadleError(
-        f"recipe '{name_or_path}' not found (a .yaml path, or one of: {', '.join(available) or 'none'})"
-    )
-
-
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """``["epochs=50", "view.kind=metis"]`` -> nested dict; values parsed as YAML scalars."""
     result: dict[str, Any] = {}
@@ -332,7 +298,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise LadleError(f"override '{pair}' is not of the form key=value")
         try:
-            value = yaml.load(raw, Loader=_RecipeLoader) if raw else ""  # noqa: S506 (a SafeLoader)
+            value = yaml.load(raw, Loader=RecipeLoader) if raw else ""  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as error:
             raise LadleError(f"override '{_shown(pair)[1:-1]}' is not valid YAML: {str(error).splitlines()[0]}") from None
         _merge(result, key.strip(), value)
@@ -350,23 +316,7 @@ def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def load_recipe(recipe: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
     """Load a recipe by name or path (``None``: the embedded default) and apply overrides."""
-    values: dict[str, Any] = {}
-    if recipe is not None:
-        path = resolve_recipe_path(recipe)
-        check_regular(path, f"recipe {path}")
-        try:
-            loaded = yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
-        except yaml.YAMLError as error:
-            first = str(error).splitlines()[0]
-            raise LadleError(f"recipe {path} is not valid YAML: {first}") from None
-        except UnicodeDecodeError:
-            raise LadleError(f"recipe {path} is not a text file (not UTF-8): give a YAML recipe") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise LadleError(f"recipe {path} must be a mapping of keys to values")
-        values = loaded
-        values.setdefault("name", path.stem)
+    values = read_recipe_file(recipe) if recipe is not None else {}
     if isinstance(overrides, dict):
         extra = overrides
     else:

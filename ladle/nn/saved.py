@@ -14,7 +14,13 @@ from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import recipe_from_dict
-from ladle.core.rundir import RunDir, ingredient_name, read_run, recipe_difference, resolve_run_dir
+from ladle.core.rundir import (
+    RunDir,
+    ingredient_name,
+    read_run,
+    recipe_difference,
+    resolve_run_dir,
+)
 from ladle.core.storage import StateDict, load_state, read_json
 from ladle.graph.datasets import dataset_identity, load_dataset, resolve_data_root
 from ladle.graph.inputs import graph_inputs

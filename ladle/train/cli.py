@@ -19,6 +19,7 @@ from ladle.core.recipe import (
     override_recipe,
     recipe_from_args,
 )
+from ladle.core.recipe_files import recipe_names
 from ladle.core.rundir import (
     AVERAGED,
     RunDir,
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log", action="append", choices=LOGGERS,
                         help="also log the training curves to TensorBoard event files in the run directory "
                              "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
+    parser.add_argument("--list-recipes", action="store_true", help="list the recipes --recipe NAME finds, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.train``."""
     args = build_parser().parse_intermixed_args(argv)  # key=value overrides anywhere among the flags
+    if args.list_recipes:
+        for name, path in sorted(recipe_names().items()):
+            print(f"{name:<16} {path}")
+        return 0
     ray_options = {"address": args.address, "cpus": args.cpus_per_ingredient, "gpus": args.gpus_per_ingredient,
                    "gather": args.gather}
     if args.save_every is not None and args.save_every < 0:
