@@ -116,12 +116,26 @@ def test_schedules() -> None:
     assert RateSchedule("fixed", rate_max=16).rate(9, 10) == 16.0
     linear = RateSchedule("linear", rate_max=64, rate_min=1, fraction=0.5)
     assert [linear.rate(e, 10) for e in (0, 5, 9)] == [64.0, 1.0, 1.0]
-    assert linear.rate(1, 10) == pytest.approx(64 - 63 / 5)
+    assert linear.rate(1, 10) == pytest.approx(64 - 63 / 4.5)  # rate_min at epoch 0.5 * (10 - 1)
     step = RateSchedule("step", rate_max=64, rate_min=1)
     assert [step.rate(e, 8) for e in range(8)] == pytest.approx([64, 64, 16, 16, 4, 4, 1, 1])
     assert RateSchedule("step", steps=(8, 2)).rate(7, 8) == 2.0
     with pytest.raises(Exception, match="rate-min"):
         RateSchedule("linear", rate_max=2, rate_min=4)
+
+
+@pytest.mark.parametrize("epochs", [1, 2, 10, 200])
+@pytest.mark.parametrize("kind, first, last", [("full", 1.0, 1.0), ("fixed", 64.0, 64.0), ("linear", 64.0, 1.0),
+                                               ("step", 64.0, 1.0), ("none", None, None)])
+def test_every_schedule_ends_where_it_says(kind: str, first: float | None, last: float | None, epochs: int) -> None:
+    """With the default ``--rate-fraction 1`` linear and step reach ``--rate-min`` by the last epoch (linear
+    exactly there), and every schedule starts at its first ratio (a one-epoch run is its last epoch too)."""
+    schedule = RateSchedule(kind, rate_max=64, rate_min=1)
+    assert schedule.rate(epochs - 1, epochs) == last
+    if epochs > 1:
+        assert schedule.rate(0, epochs) == first
+    if kind == "linear" and epochs > 2:
+        assert schedule.rate(epochs - 2, epochs) > 1.0  # reached at the last epoch, not before
 
 
 # ---------------------------------------------------------------- the halo plan

@@ -145,9 +145,10 @@ class RateSchedule:
     """The compression ratio ``r_t`` of each epoch; ``None`` means no exchange at all (``none``).
 
     ``full``: 1. ``fixed``: ``rate_max`` throughout. ``linear``: from ``rate_max`` at epoch 0 to
-    ``rate_min`` after ``fraction`` of the epochs, then ``rate_min``. ``step``: the ``steps`` ratios in
-    turn, each for an equal share of that ``fraction``, the last one to the end (default: four
-    geometric steps from ``rate_max`` to ``rate_min``, e.g. 64, 16, 4, 1).
+    ``rate_min`` at epoch ``fraction * (epochs - 1)`` (the last epoch when ``fraction`` is 1), then ``rate_min``.
+    ``step``: the ``steps`` ratios in turn, each for an equal share of ``fraction`` of the epochs, the last one
+    to the end and at least from that same epoch on (default: four geometric steps from ``rate_max`` to
+    ``rate_min``, e.g. 64, 16, 4, 1).
     """
 
     kind: str = "linear"
@@ -181,11 +182,14 @@ class RateSchedule:
             return 1.0
         if self.kind == "fixed":
             return self.rate_max
-        progress = min(1.0, epoch / max(1.0, self.fraction * epochs))
+        end = self.fraction * (epochs - 1)  # the epoch from which the schedule is at its last ratio
         if self.kind == "linear":
+            progress = 1.0 if epoch >= end else epoch / end
             return self.rate_max + (self.rate_min - self.rate_max) * progress
         levels = self.levels()
-        return levels[min(len(levels) - 1, int(progress * len(levels)))]
+        if epoch >= end:
+            return levels[-1]
+        return levels[min(len(levels) - 1, int(epoch / (self.fraction * epochs) * len(levels)))]
 
     def describe(self) -> dict[str, Any]:
         """JSON-able settings."""
