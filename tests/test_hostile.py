@@ -109,12 +109,12 @@ def test_resume_and_soup_refuse_other_data(trunk_run: Path, data_root: Path, tmp
     os.utime(labels, (1, 1))
     for attempt in (lambda: soup_run(run, method="uniform", data_root=copy, write=False),
                     lambda: resume_run(run, workers=1, data_root=copy)):
-        with pytest.raises(LadleError, match=f"was trained on the cora files of {data_root} .*; {copy} holds other "
-                                             "ones .*--allow-other-data if they are the same data"):
+        with pytest.raises(LadleError, match=f"was trained on the cora files of {data_root} .*, not on the cora files "
+                                             f"of {copy} .*--allow-other-data if they are the same data"):
             attempt()
     assert soup_run(run, method="uniform", data_root=copy, write=False, allow_other_data=True)["soups"]
     error = _one_line(run_in_process("ladle.soup", "--run-dir", str(run), "--data-root", str(copy)))
-    assert "holds other ones" in error
+    assert f"not on the cora files of {copy}" in error
     assert json.loads((run / "run.json").read_text())["status"] == "done"
 
 

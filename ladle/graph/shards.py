@@ -22,6 +22,7 @@ each run links it as ``checkpoints/<run>/shards``. The data root is checked on e
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import hashlib
 import json
@@ -46,6 +47,7 @@ from ladle.graph.datasets import (
     cache_dir,
     dataset_identity,
     forget_dataset,
+    graph_identity,
     load_dataset,
     mark_cache_entry,
 )
@@ -215,17 +217,21 @@ def load_shard(path: Path, edge_index: bool = True) -> Shard:
 # ---------------------------------------------------------------- the shards of a run
 
 
-def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None = None) -> dict[str, Any]:
+def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
+                 graph: Data | None = None) -> dict[str, Any]:
     """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them), with the
-    identity of the dataset's files under ``data_root`` (:func:`~ladle.graph.datasets.dataset_identity`)."""
+    identity of the dataset's files under ``data_root`` (:func:`~ladle.graph.datasets.dataset_identity`), or of
+    the ``graph`` given in memory (:func:`~ladle.graph.datasets.user_graph`, :func:`graph_identity`)."""
+    identity = dataset_identity(recipe.dataset, data_root) if graph is None else graph_identity(graph)
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
             "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
-            "seed": recipe.seed, "data": dataset_identity(recipe.dataset, data_root)}
+            "seed": recipe.seed, "data": identity}
 
 
-def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = None) -> str:
+def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
+              graph: Data | None = None) -> str:
     """The content hash naming the cache folder of a run's shards."""
-    return _hash(shard_inputs(recipe, ingredients, data_root))
+    return _hash(shard_inputs(recipe, ingredients, data_root, graph))
 
 
 def _hash(inputs: dict[str, Any]) -> str:
@@ -296,7 +302,7 @@ class ShardSet:
 
 
 def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
-                   force: bool = False) -> ShardSet:
+                   force: bool = False, graph: Data | None = None) -> ShardSet:
     """The shards of a run of ``recipe`` with ``ingredients`` ingredients, from the cache or built now.
 
     Building loads the dataset once, computes the run's partition (once per run, so all workers use
@@ -304,12 +310,13 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     and writes every shard into a temporary folder renamed into place at the end, so a crash or a
     concurrent preparation never leaves a half-written set. The data root is checked every time: the key
     holds the identity of the dataset's files, and without files (a download) nothing is reused.
-    ``force`` rebuilds, the dataset's cached arrays too.
+    ``force`` rebuilds, the dataset's cached arrays too. ``graph``: a graph given in memory
+    (:func:`~ladle.graph.datasets.user_graph`) instead of the recipe's dataset.
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
     root = cache_dir() / "shards"
-    inputs = shard_inputs(recipe, ingredients, data_root)
+    inputs = shard_inputs(recipe, ingredients, data_root, graph)
     target = root / _hash(inputs)
     stale = target.exists()
     if stale and not force and inputs["data"] is not None:
@@ -324,7 +331,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
                 os.utime(target)
             return shards
         log.warning("the cached shards %s are incomplete or damaged; rebuilding them", target)
-    if force:
+    if force and graph is None:
         forget_dataset(recipe.dataset, data_root)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -336,7 +343,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     shutil.rmtree(temp, ignore_errors=True)
     try:
         mark_cache_entry(temp)
-        meta = _build(recipe, ingredients, data_root, temp, inputs)
+        meta = _build(recipe, ingredients, data_root, temp, inputs, graph)
         write_json(temp / "shards.json", meta | {"key": target.name, "seconds": time.perf_counter() - start})
         if stale:
             shutil.rmtree(target)  # forced, or found incomplete
@@ -353,7 +360,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
 
 
 def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folder: Path,
-           inputs: dict[str, Any]) -> dict[str, Any]:
+           inputs: dict[str, Any], graph: Data | None = None) -> dict[str, Any]:
     """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``.
 
     The memory stays near one copy of the graph: its edges are held once, as the in-edge CSR (the
@@ -361,7 +368,7 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     memory-mapped from the whole-graph shard as soon as it is written, so partitioning and each part
     touch only the rows they need.
     """
-    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
+    data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features) if graph is None else copy.copy(graph)
     adj = InEdges(data.edge_index, data.num_nodes)
     data.edge_index = None
     common = {"dataset": recipe.dataset.lower(), "view": recipe.view.kind}

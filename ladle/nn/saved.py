@@ -22,7 +22,12 @@ from ladle.core.rundir import (
     resolve_run_dir,
 )
 from ladle.core.storage import StateDict, load_state, read_json
-from ladle.graph.datasets import dataset_identity, load_dataset, resolve_data_root
+from ladle.graph.datasets import (
+    dataset_identity,
+    graph_identity,
+    load_dataset,
+    resolve_data_root,
+)
 from ladle.graph.inputs import graph_inputs
 from ladle.nn.models import GNN, build_model
 
@@ -38,24 +43,36 @@ def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
-def data_record(dataset: str, data_root: str | Path | None) -> dict[str, Any]:
+IN_MEMORY = "a graph given in memory"
+
+
+def data_record(dataset: str, data_root: str | Path | None, graph: Data | None = None) -> dict[str, Any]:
     """What ``run.json`` records of the data a run trains on: the identity of the dataset's files
-    (:func:`~ladle.graph.datasets.dataset_identity`) and the root they were read from."""
+    (:func:`~ladle.graph.datasets.dataset_identity`) and the root they were read from, or of the ``graph``
+    given in memory (:func:`~ladle.graph.datasets.graph_identity`)."""
+    if graph is not None:
+        return {"identity": graph_identity(graph), "root": IN_MEMORY}
     return {"identity": dataset_identity(dataset, data_root), "root": str(resolve_data_root(data_root))}
 
 
-def check_same_data(run: dict[str, Any], run_dir: Path, data_root: str | Path | None, allow_other: bool) -> None:
+def check_same_data(run: dict[str, Any], run_dir: Path, data_root: str | Path | None, allow_other: bool,
+                    graph: Data | None = None) -> None:
     """Refuse to resume or soup a run on other data than it trained on (another copy, other labels): the
     ingredients would be scored, or trained on, a graph they never saw. ``allow_other`` lets it through."""
     recorded = run.get("data")
     if not isinstance(recorded, dict) or allow_other:
         return
-    now = data_record(run["recipe"]["dataset"], data_root)
+    if recorded.get("root") == IN_MEMORY and graph is None:
+        raise LadleError(f"run {run_dir} was trained on {IN_MEMORY} (identity {recorded.get('identity')}): give it "
+                         "again (data=...), or --allow-other-data to read the dataset of its recipe")
+    now = data_record(run["recipe"]["dataset"], data_root, graph)
     if now["identity"] != recorded.get("identity"):
-        raise LadleError(f"run {run_dir} was trained on the {run['recipe']['dataset']} files of {recorded.get('root')} "
-                         f"(identity {recorded.get('identity')}); {now['root']} holds other ones (identity "
-                         f"{now['identity']}): pass the run's --data-root, or --allow-other-data if they are the "
-                         "same data")
+        def where(record: dict[str, Any]) -> str:
+            return IN_MEMORY if record.get("root") == IN_MEMORY else f"the {run['recipe']['dataset']} files of " \
+                                                                      f"{record.get('root')}"
+        raise LadleError(f"run {run_dir} was trained on {where(recorded)} (identity {recorded.get('identity')}), "
+                         f"not on {where(now)} (identity {now['identity']}): pass the run's data (--data-root), or "
+                         "--allow-other-data if they are the same data")
 
 
 def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
@@ -173,8 +190,11 @@ def predict(run_dir: str | Path | None = None, data: Data | None = None, name: s
     recipe = model.recipe
     if data is None:
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
-    if data.x is None or data.edge_index is None or data.x.dim() != 2:
+    elif data.x is None or data.edge_index is None or data.x.dim() != 2:
         raise LadleError("predict needs a graph with node features x (2-D) and edge_index")
+    elif recipe.features == "normalize":  # as the run's graph was (ladle.graph.datasets.user_graph)
+        data = Data(x=data.x.float() / data.x.float().sum(1, keepdim=True).clamp(min=1e-12),
+                    edge_index=data.edge_index, num_nodes=data.num_nodes)
     if data.x.size(1) != model.in_channels:
         raise LadleError(f"the graph has {data.x.size(1)} features per node, the model takes {model.in_channels}")
     with torch.no_grad():

@@ -30,7 +30,7 @@ from ladle.core.rundir import (
     soup_name,
 )
 from ladle.core.storage import StateDict, read_json, save_state, write_json
-from ladle.graph.datasets import load_dataset
+from ladle.graph.datasets import load_dataset, user_graph
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.saved import (
@@ -58,20 +58,22 @@ log = logging.getLogger(__name__)
 def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid: int | None = None,
              search: str | None = None, metric: str | None = None, recompute_bn: bool | None = None,
              skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True,
-             allow_other_data: bool = False) -> dict[str, Any]:
+             allow_other_data: bool = False, data: Data | None = None) -> dict[str, Any]:
     """Soup a run's ingredients with the chosen methods and write the soups and the report.
 
     Unset options come from the run's recipe (section ``soup``). Returns the report as a dict. The data must be
-    the run's (``run.json`` records its identity), unless ``allow_other_data``.
+    the run's (``run.json`` records its identity; ``data``: the graph it was given in memory), unless
+    ``allow_other_data``.
     This is the library call behind ``python -m ladle.soup``.
     """
     files = RunDir(resolve_run_dir(run_dir))
     if write:
         check_free(files.path)  # before the work; the write phase takes the lock
     run = read_run(files.path)
-    check_same_data(run, files.path, data_root, allow_other_data)
-    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
     recipe = recipe_from_dict(run["recipe"])
+    graph = None if data is None else user_graph(data, recipe.features)
+    check_same_data(run, files.path, data_root, allow_other_data, graph)
+    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
     options = recipe.soup
     method = method or options.method
     grid = grid or options.grid
@@ -81,7 +83,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         raise LadleError(f"--metric must be one of {', '.join(SOUP_METRICS)}")
     recompute = options.recompute_bn if recompute_bn is None else recompute_bn
     methods = chosen_methods(method)
-    data, inference = _graph(files, recipe, data_root, methods)
+    data, inference = _graph(files, recipe, data_root, methods, graph)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
@@ -147,20 +149,22 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     return report
 
 
-def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None,
-           methods: list[SoupMethod]) -> tuple[Data, LayerwiseInference | None]:
+def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None, methods: list[SoupMethod],
+           graph: Data | None) -> tuple[Data, LayerwiseInference | None]:
     """The run's graph: its whole-graph shard, memory-mapped with its CSR (no second load of the dataset),
-    when the run's shards are still there and match the dataset's files; else the dataset, loaded. On a
-    graph scored layer-wise, by soups that need no neighbourhood, no ``edge_index`` is built."""
+    when the run's shards are still there and match the dataset's files (or the ``graph`` given); else the
+    dataset, loaded (or that graph). On a graph scored layer-wise, by soups that need no neighbourhood, no
+    ``edge_index`` is built."""
     try:
         shards = ShardSet.open(files.shards)
         usable = shards.complete() and shards.meta["inputs"] == shard_inputs(
-            recipe, shards.meta["inputs"]["ingredients"], data_root)
+            recipe, shards.meta["inputs"]["ingredients"], data_root, graph)
     except (LadleError, OSError, KeyError, TypeError):
         usable = False
     if not usable:
-        log.info("the run's shards are gone or stale; loading %s", recipe.dataset)
-        return load_dataset(recipe.dataset, data_root, recipe.split, recipe.features), None
+        log.info("the run's shards are gone or stale; reading %s", recipe.dataset if graph is None else "the graph")
+        return (load_dataset(recipe.dataset, data_root, recipe.split, recipe.features) if graph is None
+                else graph), None
     csr_only = shards.meta["graph"]["num_nodes"] >= LAYERWISE_NODES and all(m.inference_only for m in methods)
     shard = load_shard(shards.graph(), edge_index=not csr_only)
     return shard.data, LayerwiseInference.from_shard(shard)

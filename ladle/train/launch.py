@@ -39,6 +39,7 @@ from ladle.core.rundir import (
     update_latest,
 )
 from ladle.core.storage import read_json, save_state, write_json
+from ladle.graph.datasets import user_graph
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards
@@ -133,7 +134,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
                       ray_options: dict[str, Any] | None = None, save_every: int = SAVE_EVERY,
-                      threads: int | None = None, log: tuple[str, ...] = ()) -> RunResult:
+                      threads: int | None = None, log: tuple[str, ...] = (), data: Data | None = None) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
@@ -141,11 +142,16 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     ``save_every``: epochs between resumable training-state checkpoints (see :func:`resume_run`).
     ``threads``: torch threads per local worker (default: cores / workers).
     ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.train.curves`).
+    ``data``: your own PyG graph (``x``, ``y``, ``edge_index``, train/val/test masks) instead of the recipe's
+    dataset, prepared into shards as a named dataset is; ``recipe.dataset`` then only names it.
     """
     spec = RunSpec(recipe, ingredients, init, baseline, save_every, tuple(log))
     check_loggers(spec.log)
     check_sampler(recipe.view)
     chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
+    given = None if data is None else user_graph(data, recipe.features)
+    if given is not None and backend == "ray":
+        raise LadleError("a graph given in memory trains on the local backend (Ray workers read a dataset by name)")
     checkpoints_root = Path(checkpoints_root)
     run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
     tasks = spec.tasks(run_path)
@@ -155,7 +161,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     _check_creatable(run_path)  # before the (maybe long) preparation
     check_free(run_path)
     check_same_run(run_path, spec.definition())
-    shards = prepare_shards(recipe, ingredients, data_root)  # once, cached; bad view settings fail here
+    shards = prepare_shards(recipe, ingredients, data_root, graph=given)  # once, cached; bad view settings fail here
     check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"])
     try:
         run_path.mkdir(parents=True, exist_ok=True)
@@ -179,7 +185,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
             "created": dt.datetime.now().isoformat(timespec="seconds"),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
-            "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root), "status": "running",
+            "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root, given),
+            "status": "running",
         }
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
@@ -201,16 +208,17 @@ def _check_creatable(run_path: Path) -> None:
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
                backend: str | None = None, ray_options: dict[str, Any] | None = None,
-               allow_other_data: bool = False) -> RunResult:
+               allow_other_data: bool = False, data: Data | None = None) -> RunResult:
     """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
     loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
     (or from scratch), bitwise as if never stopped. The data must be the run's (``run.json`` records its
-    identity), unless ``allow_other_data``."""
+    identity; ``data``: the graph it was given in memory), unless ``allow_other_data``."""
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_run(run_path)
-        check_same_data(run_meta, run_path, data_root, allow_other_data)
         spec = RunSpec.from_json(run_meta)
+        given = None if data is None else user_graph(data, spec.recipe.features)
+        check_same_data(run_meta, run_path, data_root, allow_other_data, given)
         check_loggers(spec.log)
         backend = backend or run_meta.get("backend", "local")
         tasks = spec.tasks(run_path)
@@ -220,7 +228,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
         data_root = None if data_root is None else str(data_root)
         if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
-            prepare_shards(spec.recipe, spec.ingredients, data_root).link(run_path)
+            prepare_shards(spec.recipe, spec.ingredients, data_root, graph=given).link(run_path)
         return _execute(run_path, run_meta, spec, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
                         ray_options)
 
