@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS
 
 import ladle
 from ladle.core.errors import LadleError

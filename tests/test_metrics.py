@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, TRUNKLESS, run_module
+from conftest import TRUNKLESS, run_in_process, run_module
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -179,9 +179,7 @@ def test_unknown_or_missing_logger_is_one_line_exit_2(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if TensorBoard were not installed
     with pytest.raises(LadleError, match=r"pip install 'ladle\[tensorboard\]'"):
         check_loggers(["tensorboard"])
-    code = ("import sys; sys.modules['torch.utils.tensorboard'] = None; from ladle.core.errors import run_cli; "
-            "from ladle.train.cli import main; sys.exit(run_cli(main, ['--log', 'tensorboard', 'epochs=1']))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, timeout=120)
+    result = run_in_process("ladle.train", "--log", "tensorboard", "epochs=1")  # TensorBoard still hidden
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: --log tensorboard needs TensorBoard: pip install "
                                                   "'ladle[tensorboard]'"]

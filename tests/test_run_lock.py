@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, TRUNKLESS, run_module
+from conftest import PROJECT, TRUNKLESS, run_in_process, run_module
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -121,7 +121,7 @@ def test_resume_averaging_and_soup_are_refused_while_another_owns_the_run(finish
                 ("ladle.soup", "--method", "uniform")]
     with lock_run_dir(run, "ladle.train"):
         for command in commands:
-            error = _one_line(run_module(*command, "--run-dir", str(run), "--data-root", str(data_root)))
+            error = _one_line(run_in_process(*command, "--run-dir", str(run), "--data-root", str(data_root)))
             assert f"run directory {run} is in use by pid {os.getpid()} (ladle.train since " in error, error
         with pytest.raises(LadleError, match="is in use by pid"):  # another open of the lock, in this process
             soup_run(run, method="uniform", data_root=data_root)

@@ -56,8 +56,8 @@ def test_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]  # no temp files left
 
 
-TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUNKLESS, "view.kind=saint-rw", "epochs=40",
-              "patience=40"]
+TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUNKLESS, "view.kind=saint-rw", "epochs=20",
+              "patience=20"]
 
 
 def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process, run_module
+from conftest import TRUNKLESS, run_in_process
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import ViewConfig, load_recipe
@@ -125,11 +125,12 @@ def test_recipe_name_must_be_a_plain_file_name(name: str, tmp_path: Path) -> Non
         load_recipe(str(shared))
 
 
-def test_escaping_name_writes_nothing(data_root: Path, tmp_path: Path) -> None:
+def test_escaping_name_writes_nothing(data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    result = run_module("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "name=../../escaped", "--data-root", str(data_root),
-                        cwd=work)
+    monkeypatch.chdir(work)
+    result = run_in_process("ladle.train", "-k", "1", *TRUNKLESS, "epochs=1", "name=../../escaped", "--data-root",
+                            str(data_root))
     assert result.returncode == 2, result.stderr
     assert "name must be a plain file name" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -429,7 +429,7 @@ def test_cli_run(data_root: Path, tmp_path: Path) -> None:
 
 def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     """``--partition random`` splits the nodes as the soup's random view does (and cuts far more edges than
-    METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` halfway; each epoch's halo bytes follow its rate."""
+    METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` at epoch 0.5 * (epochs - 1); each epoch's halo bytes follow its rate."""
     run_dir = tmp_path / "run"
     result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
                         "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--eval-every", "3",
@@ -437,7 +437,7 @@ def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["partition"] == "random" and meta["schedule"]["fraction"] == 0.5
-    assert [row["rate"] for row in meta["history"]] == pytest.approx([8, 4.5, 1, 1])  # 8 -> 1 over 2 of 4 epochs
+    assert [row["rate"] for row in meta["history"]] == pytest.approx([8, 8 - 7 / 1.5, 1, 1])  # 8 -> 1 by epoch 0.5 * 3
     parts = partition_nodes(cora_data, "random", 2, seed=0)
     metis = partition_nodes(cora_data, "metis", 2, seed=0)
     for rank, row in enumerate(meta["ranks"]):

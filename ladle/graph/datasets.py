@@ -288,13 +288,13 @@ def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
     key = name.lower()
     if key.startswith("synthetic"):
         data = synthetic_graph(**parse_synthetic(key))
-        return _finish(data, features == "normalize")
+        return finish_graph(data, features == "normalize")
     source = _source(key)
     data = _cached_graph(key, source, resolve_data_root(data_root))
     data = _with_split(data, source.splits, split)
     normalize = features == "normalize" or (features == "auto" and source.normalize)
     data.name = key
-    return _finish(data, normalize)
+    return finish_graph(data, normalize)
 
 
 def _cached_graph(key: str, source: _Source, root: Path) -> Data:
@@ -408,7 +408,8 @@ def _read_entry(entry: Path) -> Data:
     return Data(num_nodes=meta["num_nodes"], **arrays)
 
 
-def _finish(data: Data, normalize: bool) -> Data:
+def finish_graph(data: Data, normalize: bool) -> Data:
+    """Float features (row-normalised when ``normalize``), long labels, ``num_classes`` set."""
     data.x = data.x.float()
     if normalize:
         data.x = data.x / data.x.sum(dim=1, keepdim=True).clamp(min=1e-12)
@@ -435,40 +436,3 @@ def _with_split(data: Data, kind: str, split: int) -> Data:
         data[mask] = data[mask].bool() & labelled
     return data
 
-
-_USER_KEYS = ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask")
-
-
-def user_graph(data: Data, features: str = "auto") -> Data:
-    """A user's PyG graph (``x``, ``y``, ``edge_index``, ``train_mask``/``val_mask``/``test_mask``) checked and
-    set up as ladle sets up a named dataset (float features, row-normalised when ``features`` is ``normalize``,
-    ``num_classes`` set), in a new ``Data``: the user's object is left as it was."""
-    missing = [key for key in _USER_KEYS if data.get(key) is None]
-    if missing:
-        raise LadleError(f"the graph given has no {', '.join(missing)} (ladle needs {', '.join(_USER_KEYS)})")
-    nodes = int(data.x.size(0)) if data.x.dim() == 2 else -1
-    edge_index = data.edge_index
-    problems = ["x must be 2-D (nodes x features)"] if nodes < 0 else []
-    problems += [f"{key} must hold one entry per node ({nodes})" for key in _USER_KEYS[1:2] + _USER_KEYS[3:]
-                 if nodes >= 0 and data[key].numel() != nodes]
-    if edge_index.dim() != 2 or edge_index.size(0) != 2 or edge_index.is_floating_point():
-        problems.append("edge_index must be integers of shape [2, edges]")
-    elif edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= max(nodes, 0)):
-        problems.append(f"edge_index must name nodes 0..{nodes - 1}")
-    if problems:
-        raise LadleError(f"the graph given does not fit: {'; '.join(problems)}")
-    graph = Data(x=data.x, y=data.y, edge_index=edge_index.long(), num_nodes=nodes,
-                 **{mask: data[mask].bool().view(-1) for mask in _USER_KEYS[3:]})
-    graph.name = "user"
-    return _finish(graph, features == "normalize")
-
-
-def graph_identity(data: Data) -> str:
-    """A digest of a graph given in memory (its arrays, their dtypes and shapes): the identity a run records of
-    its data, as :func:`dataset_identity` is for a dataset's files."""
-    digest = hashlib.sha256(f"ladle-graph {DATASET_FORMAT}\n".encode())
-    for key in _USER_KEYS:
-        array = data[key].contiguous().numpy()
-        digest.update(f"{key}:{array.dtype}:{list(array.shape)}\n".encode())
-        digest.update(memoryview(array).cast("B"))
-    return f"graph-{digest.hexdigest()[:16]}"

@@ -47,10 +47,10 @@ from ladle.graph.datasets import (
     cache_dir,
     dataset_identity,
     forget_dataset,
-    graph_identity,
     load_dataset,
     mark_cache_entry,
 )
+from ladle.graph.given import graph_identity
 from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.graph.partition import InEdges, part_subgraph
 from ladle.graph.sparse import CSRRows, SparseMatrix
@@ -221,7 +221,7 @@ def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None 
                  graph: Data | None = None) -> dict[str, Any]:
     """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them), with the
     identity of the dataset's files under ``data_root`` (:func:`~ladle.graph.datasets.dataset_identity`), or of
-    the ``graph`` given in memory (:func:`~ladle.graph.datasets.user_graph`, :func:`graph_identity`)."""
+    the ``graph`` given in memory (:func:`~ladle.graph.given.user_graph`, :func:`graph_identity`)."""
     identity = dataset_identity(recipe.dataset, data_root) if graph is None else graph_identity(graph)
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
             "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
@@ -311,7 +311,7 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     concurrent preparation never leaves a half-written set. The data root is checked every time: the key
     holds the identity of the dataset's files, and without files (a download) nothing is reused.
     ``force`` rebuilds, the dataset's cached arrays too. ``graph``: a graph given in memory
-    (:func:`~ladle.graph.datasets.user_graph`) instead of the recipe's dataset.
+    (:func:`~ladle.graph.given.user_graph`) instead of the recipe's dataset.
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")

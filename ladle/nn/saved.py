@@ -24,10 +24,10 @@ from ladle.core.rundir import (
 from ladle.core.storage import StateDict, load_state, read_json
 from ladle.graph.datasets import (
     dataset_identity,
-    graph_identity,
     load_dataset,
     resolve_data_root,
 )
+from ladle.graph.given import graph_identity
 from ladle.graph.inputs import graph_inputs
 from ladle.nn.models import GNN, build_model
 
@@ -49,7 +49,7 @@ IN_MEMORY = "a graph given in memory"
 def data_record(dataset: str, data_root: str | Path | None, graph: Data | None = None) -> dict[str, Any]:
     """What ``run.json`` records of the data a run trains on: the identity of the dataset's files
     (:func:`~ladle.graph.datasets.dataset_identity`) and the root they were read from, or of the ``graph``
-    given in memory (:func:`~ladle.graph.datasets.graph_identity`)."""
+    given in memory (:func:`~ladle.graph.given.graph_identity`)."""
     if graph is not None:
         return {"identity": graph_identity(graph), "root": IN_MEMORY}
     return {"identity": dataset_identity(dataset, data_root), "root": str(resolve_data_root(data_root))}
@@ -192,7 +192,7 @@ def predict(run_dir: str | Path | None = None, data: Data | None = None, name: s
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     elif data.x is None or data.edge_index is None or data.x.dim() != 2:
         raise LadleError("predict needs a graph with node features x (2-D) and edge_index")
-    elif recipe.features == "normalize":  # as the run's graph was (ladle.graph.datasets.user_graph)
+    elif recipe.features == "normalize":  # as the run's graph was (ladle.graph.given.user_graph)
         data = Data(x=data.x.float() / data.x.float().sum(1, keepdim=True).clamp(min=1e-12),
                     edge_index=data.edge_index, num_nodes=data.num_nodes)
     if data.x.size(1) != model.in_channels:

@@ -30,7 +30,8 @@ from ladle.core.rundir import (
     soup_name,
 )
 from ladle.core.storage import StateDict, read_json, save_state, write_json
-from ladle.graph.datasets import load_dataset, user_graph
+from ladle.graph.datasets import load_dataset
+from ladle.graph.given import user_graph
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.saved import (

@@ -39,7 +39,7 @@ from ladle.core.rundir import (
     update_latest,
 )
 from ladle.core.storage import read_json, save_state, write_json
-from ladle.graph.datasets import user_graph
+from ladle.graph.given import user_graph
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards
