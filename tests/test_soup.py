@@ -31,6 +31,7 @@ from ladle.soup.methods import (
     uniform_soup,
 )
 from ladle.soup.pipeline import soup_run
+from ladle.soup.report import format_table
 from ladle.train.launch import train_ingredients
 
 
@@ -407,3 +408,28 @@ def test_metrics_helper() -> None:
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
     result = metrics(logits, torch.tensor([0, 1, 1]))
     assert abs(result.acc - 2 / 3) < 1e-6 and result.loss > 0
+
+
+def test_the_default_soup_takes_bounded_forms_on_a_large_graph(cora_run: Path, data_root: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """From ``LAYERWISE_NODES`` nodes on (lowered here to Cora's size), ``--method all`` leaves out the learned
+    soup (154 s against 21 s of training at 200k nodes, even in its partition form) and takes the fast alpha
+    search unless ``--search`` is named, and the report says so; the time line gives core-seconds."""
+    run = tmp_path / "run"
+    shutil.copytree(cora_run, run)
+    for module in ("pipeline", "evaluator"):  # one threshold: where scoring goes layer-wise, the default is bounded
+        monkeypatch.setattr(f"ladle.soup.{module}.LAYERWISE_NODES", 2708)
+    report = soup_run(run, data_root=data_root, write=False)
+    assert report["scaled"] == {"from_nodes": 2708, "left_out": ["learned"], "search": "fast"}
+    assert [row["method"] for row in report["soups"]] == ["uniform", "greedy", "gis"]
+    assert next(row for row in report["soups"] if row["method"] == "gis")["search"] == "fast"
+    assert "from 2708 nodes --method all leaves out learned (too slow at this size; name it with --method) and " \
+           "searches alpha fast" in format_table(report)
+    metas = [json.loads((run / f"ingredient-{k:02d}.json").read_text()) for k in range(4)]
+    assert report["ingredient_core_seconds"] == pytest.approx(sum(m["threads"] * m["train_seconds"] for m in metas))
+    assert "in core-seconds" in format_table(report)
+    assert soup_run(run, search="grid", data_root=data_root, write=False)["scaled"]["search"] == "grid"
+    assert soup_run(run, method="uniform", data_root=data_root, write=False)["scaled"] is None  # named: as asked
+    for module in ("pipeline", "evaluator"):  # below the size: all as registered
+        monkeypatch.setattr(f"ladle.soup.{module}.LAYERWISE_NODES", 2709)
+    assert [row["method"] for row in soup_run(run, data_root=data_root, write=False)["soups"]][-1] == "learned"

@@ -258,11 +258,11 @@ def learned_soup(states: Sequence[StateDict], evaluator: Evaluator, *, partition
         history=history, best_epoch=best_epoch)
 
 
-@register("learned", fitted=True)
+@register("learned", fitted=True, scales=False)
 def _learned(inputs: SoupInputs) -> LearnedSoupResult:
     return learned_soup(inputs.states, inputs.evaluator, seed=inputs.seed)
 
 
-@register("learned-partition", in_all=False, layerwise=True, fitted=True)
+@register("learned-partition", in_all=False, layerwise=True, fitted=True, scales=False)
 def _learned_partition(inputs: SoupInputs) -> LearnedSoupResult:
     return learned_soup(inputs.states, inputs.evaluator, partition=True, seed=inputs.seed)

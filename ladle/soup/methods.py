@@ -143,6 +143,7 @@ class SoupMethod:
     never builds the validation neighbourhood (for graphs where that does not fit). ``fitted``: its
     weights are fitted on validation nodes, so a validation figure does not choose it as the best soup.
     ``scorings``: validation scorings it plans, for the progress bar (0 when it scores none here).
+    ``scales``: cheap enough to stay in ``all`` on a large graph (:func:`scaled_methods`).
     """
 
     name: str
@@ -152,6 +153,7 @@ class SoupMethod:
     layerwise: bool = False
     fitted: bool = False
     scorings: Planner = lambda candidates, grid, fast: 0
+    scales: bool = True
 
     def __call__(self, inputs: SoupInputs) -> SoupResult:
         result = self.make(inputs)
@@ -183,6 +185,11 @@ def chosen_methods(method: str) -> list[SoupMethod]:
     if method not in SOUPS:
         raise LadleError(f"unknown soup method {method!r} (one of: {', '.join(method_names())})")
     return [SOUPS[method]]
+
+
+def scaled_methods(methods: list[SoupMethod]) -> tuple[list[SoupMethod], list[str]]:
+    """``all`` on a large graph: the methods that do not scale left out; return the rest and the names left out."""
+    return [soup for soup in methods if soup.scales], [soup.name for soup in methods if not soup.scales]
 
 
 def alpha_searches(grid: int, fast: bool) -> int:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch_geometric.data import Data
 from tqdm import tqdm
@@ -46,11 +47,13 @@ from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances
 from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, SoupResult
 from ladle.soup.methods import (
+    ALL_METHODS,
     SOUPS,
     TRUNK_INDEX,
     SoupInputs,
     SoupMethod,
     chosen_methods,
+    scaled_methods,
 )
 from ladle.soup.report import write_report
 
@@ -83,7 +86,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     if metric not in SOUP_METRICS:
         raise LadleError(f"--metric must be one of {', '.join(SOUP_METRICS)}")
     recompute = options.recompute_bn if recompute_bn is None else recompute_bn
-    methods = chosen_methods(method)
+    methods, scaled = chosen_methods(method), None
+    if method == ALL_METHODS and int(run["dataset"].get("nodes", 0)) >= LAYERWISE_NODES:
+        # the default stays cheap at scale: no method that does not scale, the fast alpha search unless asked
+        methods, left_out = scaled_methods(methods)
+        fast = fast or search is None
+        scaled = {"from_nodes": LAYERWISE_NODES, "left_out": left_out, "search": "fast" if fast else "grid"}
     data, inference = _graph(files, recipe, data_root, methods, graph)
     if data.num_features != run["dataset"]["features"] or data.num_classes != run["dataset"]["classes"]:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
@@ -134,8 +142,10 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
         "validation": _validation(evaluator, rows),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
-        "soup_seconds": setup_seconds + sum(s.seconds for s in soups),
+        "soup_seconds": setup_seconds + sum(s.seconds for s in soups), "soup_threads": torch.get_num_threads(),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
+        "ingredient_core_seconds": sum(m.get("train_seconds", 0.0) * m.get("threads", 1) for m in bundle.metas),
+        "scaled": scaled,
         "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
         "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
                   for m in bundle.metas],

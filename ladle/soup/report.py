@@ -75,10 +75,29 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [f"skipped (--skip-bad): {name}: {why}" for name, why in report.get("skipped", {}).items()]
     if report.get("basin"):
         lines.append(basin_line(report["basin"]))
-    lines.append(f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s")
-    if validation_line(report):
-        lines.append(validation_line(report))
+    lines.append(time_line(report))
+    lines += [line for line in (validation_line(report), scaled_line(report)) if line]
     return "\n".join(lines)
+
+
+def time_line(report: dict[str, Any]) -> str:
+    """The soup's time against the ingredients' training, in seconds and in core-seconds (threads x seconds)."""
+    line = f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s"
+    if not report.get("ingredient_core_seconds"):
+        return line
+    soup = report["soup_seconds"] * report["soup_threads"]
+    return (f"{line}; in core-seconds {soup:.0f} ({report['soup_threads']} threads) vs "
+            f"{report['ingredient_core_seconds']:.0f}: {soup / report['ingredient_core_seconds']:.2f}x")
+
+
+def scaled_line(report: dict[str, Any]) -> str:
+    """What ``--method all`` ran instead on a large graph, or ''."""
+    scaled = report.get("scaled")
+    if not scaled:
+        return ""
+    left = ", ".join(scaled["left_out"]) or "nothing"
+    return (f"from {scaled['from_nodes']} nodes --method all leaves out {left} (too slow at this size; name it with "
+            f"--method) and searches alpha {scaled['search']} (--search grid for every point)")
 
 
 def validation_line(report: dict[str, Any]) -> str:
@@ -99,8 +118,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         *([parallel_line(report)[0].upper() + parallel_line(report)[1:] + ".", ""] if parallel_line(report) else []),
         *([f"**{trunk_line(report)}.**", ""] if trunk_line(report) else []),
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
-        f"soup time {report['soup_seconds']:.1f} s vs ingredient training {report['ingredient_train_seconds']:.1f} s",
-        *([validation_line(report)] if validation_line(report) else []),
+        f"{time_line(report)}",
+        *[line for line in (validation_line(report), scaled_line(report)) if line],
         "",
         "| model | val acc | test acc | note |",
         "|---|---|---|---|",
