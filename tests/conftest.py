@@ -127,8 +127,8 @@ def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
 
 # The files that take longest, started first: with ``-n 2 --dist loadfile`` the two workers then end together
 # instead of one finishing a long file alone (longest-processing-time-first scheduling).
-SLOW_FILES = ("test_safety.py", "test_trunk.py", "test_varrate.py", "test_metrics.py", "test_run_lock.py",
-              "test_notebook.py")
+SLOW_FILES = ("test_varrate.py", "test_trunk.py", "test_safety.py", "test_metrics.py", "test_notebook.py",
+              "test_soup.py", "test_run_lock.py", "test_pyg_sampler.py", "test_train.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -430,6 +430,3 @@ def test_the_default_soup_takes_bounded_forms_on_a_large_graph(cora_run: Path, d
     assert "in core-seconds" in format_table(report)
     assert soup_run(run, search="grid", data_root=data_root, write=False)["scaled"]["search"] == "grid"
     assert soup_run(run, method="uniform", data_root=data_root, write=False)["scaled"] is None  # named: as asked
-    for module in ("pipeline", "evaluator"):  # below the size: all as registered
-        monkeypatch.setattr(f"ladle.soup.{module}.LAYERWISE_NODES", 2709)
-    assert [row["method"] for row in soup_run(run, data_root=data_root, write=False)["soups"]][-1] == "learned"
