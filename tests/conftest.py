@@ -83,7 +83,8 @@ COMMANDS = {"ladle.train": "ladle.train.cli", "ladle.soup": "ladle.soup.cli", "l
 def run_in_process(module: str, *args: str) -> subprocess.CompletedProcess:
     """:func:`run_module` without a new interpreter (3 s of imports saved): the same entry point
     (:func:`ladle.core.errors.run_cli` around the command's ``main``), its stdout, and on its stderr the log lines
-    an INFO root logger prints, as the command's own would. For commands that stop early (bad input)."""
+    an INFO root logger prints, as the command's own would (its workers' output is not captured). Not for what
+    needs a process of its own: a kill, a console script, the thread count a command sets."""
     from ladle.core.errors import run_cli
 
     main = importlib.import_module(COMMANDS[module]).main

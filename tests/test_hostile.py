@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process, run_module
+from conftest import TRUNKLESS, run_in_process
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
@@ -307,8 +307,8 @@ def test_resume_refuses_flags_that_contradict_the_run(trunk_run: Path, data_root
                      "hidden 32, run.json 64; --ingredients 5, run.json 2. Drop them, or start a new run (another "
                      "--run-dir)"), error
     assert {path.name: path.stat().st_mtime_ns for path in run.iterdir()} == before
-    same = run_module("ladle.train", "--resume", "-k", "2", *TRUNKED, "--run-dir", str(run), "--data-root",
-                      str(data_root))  # flags that say what run.json says are accepted
+    same = run_in_process("ladle.train", "--resume", "-k", "2", *TRUNKED, "--run-dir", str(run), "--data-root",
+                          str(data_root))  # flags that say what run.json says are accepted
     assert same.returncode == 0, same.stderr
 
 

@@ -152,8 +152,8 @@ def test_averaging_logs_every_trainer_and_the_average(data_root: Path, tmp_path:
 
 
 def test_varrate_logs_the_run_curve(data_root: Path, tmp_path: Path) -> None:
-    result = run_module("ladle.varrate", "--ranks", "2", "--eval-every", "3", "--run-dir", str(tmp_path / "vr"),
-                        "--data-root", str(data_root), "epochs=9")
+    result = run_in_process("ladle.varrate", "--ranks", "2", "--eval-every", "3", "--run-dir", str(tmp_path / "vr"),
+                            "--data-root", str(data_root), "epochs=9")
     assert result.returncode == 0, result.stderr
     meta = json.loads((tmp_path / "vr" / "varrate.json").read_text())
     rows = rows_of(tmp_path / "vr" / "metrics.csv")

@@ -134,8 +134,8 @@ def test_a_directory_holding_another_run_is_refused_unless_resumed(finished_run:
                                                                    tmp_path: Path) -> None:
     run = _copy(finished_run, tmp_path)
     before = _files(run)
-    error = _one_line(run_module("ladle.train", "-k", "2", *FULL, "hidden=32", "--run-dir", str(run),
-                                 "--data-root", str(data_root)))
+    error = _one_line(run_in_process("ladle.train", "-k", "2", *FULL, "hidden=32", "--run-dir", str(run),
+                                     "--data-root", str(data_root)))
     assert error == (f"error: run directory {run} already holds another run (hidden 32, run.json 64): finish it "
                      "with --resume, or choose another --run-dir")
     with pytest.raises(LadleError, match=r"another run \(ingredients 3, run.json 2; view.kind 'random', "

@@ -78,11 +78,12 @@ def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Pat
 
 
 def test_resume_of_a_finished_run_trains_nothing(data_root: Path, tmp_path: Path) -> None:
-    first = run_module("ladle.train", "--ingredients", "1", *TRUNKLESS, "epochs=3", "--data-root", str(data_root),
-                       "--run-dir", str(tmp_path / "run"))
+    first = run_in_process("ladle.train", "--ingredients", "1", *TRUNKLESS, "epochs=3", "--data-root", str(data_root),
+                           "--run-dir", str(tmp_path / "run"))
     assert first.returncode == 0, first.stderr
     before = (tmp_path / "run" / "ingredient-00.safetensors").stat().st_mtime_ns
-    again = run_module("ladle.train", "--resume", "--run-dir", str(tmp_path / "run"), "--data-root", str(data_root))
+    again = run_in_process("ladle.train", "--resume", "--run-dir", str(tmp_path / "run"), "--data-root",
+                           str(data_root))
     assert again.returncode == 0 and (tmp_path / "run" / "ingredient-00.safetensors").stat().st_mtime_ns == before
 
 
@@ -111,8 +112,8 @@ def test_bad_input_rows(label: str, args: list[str], message: str, data_root: Pa
     a_file.write_text("")
     run_dir = tmp_path / "truncated-run"
     if label == "truncated checkpoint":
-        made = run_module("ladle.train", "--ingredients", "2", *TRUNKLESS, "epochs=2", "--data-root", str(data_root),
-                          "--run-dir", str(run_dir))
+        made = run_in_process("ladle.train", "--ingredients", "2", *TRUNKLESS, "epochs=2", "--data-root", str(data_root),
+                              "--run-dir", str(run_dir))
         assert made.returncode == 0, made.stderr
         weights = run_dir / "ingredient-01.safetensors"
         weights.write_bytes(weights.read_bytes()[:64])

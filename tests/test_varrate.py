@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
-from conftest import PROJECT, TRUNKLESS, run_module
+from conftest import PROJECT, TRUNKLESS, run_in_process
 from torch import Tensor
 from torch.multiprocessing import start_processes
 from torch_geometric.data import Data
@@ -419,8 +419,8 @@ def test_cli_workers_is_a_deprecated_alias_of_ranks(data_root: Path) -> None:
 
 def test_cli_run(data_root: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--schedule", "step",
-                        "--compress", "int8", "--run-dir", str(run_dir), "epochs=4", timeout=240)
+    result = run_in_process("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--schedule", "step",
+                            "--compress", "int8", "--run-dir", str(run_dir), "epochs=4")
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert [row["rate"] for row in meta["history"]] == pytest.approx([64, 16, 4, 1])
@@ -429,11 +429,12 @@ def test_cli_run(data_root: Path, tmp_path: Path) -> None:
 
 def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     """``--partition random`` splits the nodes as the soup's random view does (and cuts far more edges than
-    METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` at epoch 0.5 * (epochs - 1); each epoch's halo bytes follow its rate."""
+    METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` at epoch 0.5 * (epochs - 1); each epoch's halo bytes
+    follow its rate."""
     run_dir = tmp_path / "run"
-    result = run_module("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
-                        "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--eval-every", "3",
-                        "--run-dir", str(run_dir), "epochs=4", timeout=240)
+    result = run_in_process("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
+                            "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--eval-every", "3",
+                            "--run-dir", str(run_dir), "epochs=4")
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["partition"] == "random" and meta["schedule"]["fraction"] == 0.5
