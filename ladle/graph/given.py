@@ -38,7 +38,7 @@ def user_graph(data: Data, features: str = "auto") -> Data:
 
 def graph_identity(data: Data) -> str:
     """A digest of a graph given in memory (its arrays, their dtypes and shapes): the identity a run records of
-    its data, as :func:`dataset_identity` is for a dataset's files."""
+    its data, as :func:`~ladle.graph.datasets.dataset_identity` is for a dataset's files."""
     digest = hashlib.sha256(f"ladle-graph {DATASET_FORMAT}\n".encode())
     for key in _USER_KEYS:
         array = data[key].contiguous().numpy()
