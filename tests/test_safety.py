@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process, run_module, train_then_kill
+from conftest import TRUNKLESS, run_in_process, train_then_kill
 
 from ladle.core.errors import LadleError
 from ladle.core.storage import load_state, save_state, write_json
@@ -61,14 +61,13 @@ TRAIN_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", *TRUN
 
 
 def test_sigkill_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Path) -> None:
-    reference = run_module("ladle.train", *TRAIN_ARGS, "--data-root", str(data_root), "--run-dir",
-                           str(tmp_path / "reference"), timeout=600)  # the suite runs two test files at once
+    reference = run_in_process("ladle.train", *TRAIN_ARGS, "--data-root", str(data_root), "--run-dir",
+                               str(tmp_path / "reference"))  # only the killed run needs a process of its own
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "killed"
     train_then_kill([*TRAIN_ARGS, "--data-root", str(data_root)], run_dir, "ingredient-00.progress.safetensors")
     assert not (run_dir / "ingredient-01.safetensors").exists()
-    resumed = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root),
-                         timeout=600)
+    resumed = run_in_process("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
     assert resumed.returncode == 0, resumed.stderr
     for name in ("ingredient-00", "ingredient-01"):
         expected = load_state(tmp_path / "reference" / f"{name}.safetensors")

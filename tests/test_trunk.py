@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process, run_module, train_then_kill
+from conftest import TRUNKLESS, run_in_process, train_then_kill
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, save_state
@@ -115,14 +115,13 @@ TRUNK_ARGS = ["--ingredients", "2", "--workers", "1", "--save-every", "5", "view
 
 
 def test_sigkill_in_the_trunk_then_resume_is_bitwise_identical(data_root: Path, tmp_path: Path) -> None:
-    reference = run_module("ladle.train", *TRUNK_ARGS, "--data-root", str(data_root), "--run-dir",
-                           str(tmp_path / "reference"), timeout=600)
+    reference = run_in_process("ladle.train", *TRUNK_ARGS, "--data-root", str(data_root), "--run-dir",
+                               str(tmp_path / "reference"))  # only the killed run needs a process of its own
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "killed"
     train_then_kill([*TRUNK_ARGS, "--data-root", str(data_root)], run_dir, "trunk.progress.safetensors")
     assert not (run_dir / "trunk.safetensors").exists()
-    resumed = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root),
-                         timeout=600)
+    resumed = run_in_process("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
     assert resumed.returncode == 0, resumed.stderr
     for name in ("trunk", "ingredient-00", "ingredient-01"):
         expected = load_state(tmp_path / "reference" / f"{name}.safetensors")
@@ -135,8 +134,7 @@ def test_sigkill_in_the_trunk_then_resume_is_bitwise_identical(data_root: Path, 
     trunk_written = (run_dir / "trunk.safetensors").stat().st_mtime_ns
     for suffix in (".safetensors", ".json"):
         (run_dir / f"ingredient-01{suffix}").unlink()
-    again = run_module("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root),
-                       timeout=600)
+    again = run_in_process("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
     assert again.returncode == 0, again.stderr
     assert (run_dir / "trunk.safetensors").stat().st_mtime_ns == trunk_written
     expected = load_state(tmp_path / "reference" / "ingredient-01.safetensors")
