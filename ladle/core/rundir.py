@@ -196,6 +196,16 @@ def update_latest(checkpoints_root: Path, run_dir: Path) -> None:
         log.warning("%s not updated: %s", link, error.strerror)
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and its parents), refused in one line when it cannot be created or written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create run directory {run_dir}: {error.strerror} (choose another --run-dir)") from None
+    if not os.access(run_dir, os.W_OK):
+        raise LadleError(f"run directory {run_dir} is not writable (choose another --run-dir)")
+
+
 def resolve_run_dir(run_dir: str | Path | None, checkpoints_root: Path = CHECKPOINTS) -> Path:
     """An existing run directory: the argument, else ``checkpoints/latest`` (a link, never a stale real folder)."""
     path = Path(run_dir) if run_dir is not None else checkpoints_root / "latest"

@@ -408,11 +408,15 @@ def _read_entry(entry: Path) -> Data:
     return Data(num_nodes=meta["num_nodes"], **arrays)
 
 
+def normalize_rows(x: Tensor) -> Tensor:
+    """Features divided by their row sums (Planetoid's convention; an all-zero row stays zero)."""
+    x = x.float()
+    return x / x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+
+
 def finish_graph(data: Data, normalize: bool) -> Data:
     """Float features (row-normalised when ``normalize``), long labels, ``num_classes`` set."""
-    data.x = data.x.float()
-    if normalize:
-        data.x = data.x / data.x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+    data.x = normalize_rows(data.x) if normalize else data.x.float()
     data.y = data.y.long().view(-1)
     data.num_classes = int(data.y.max()) + 1
     return data

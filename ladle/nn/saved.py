@@ -25,6 +25,7 @@ from ladle.core.storage import StateDict, load_state, read_json
 from ladle.graph.datasets import (
     dataset_identity,
     load_dataset,
+    normalize_rows,
     resolve_data_root,
 )
 from ladle.graph.given import graph_identity
@@ -67,12 +68,11 @@ def check_same_data(run: dict[str, Any], run_dir: Path, data_root: str | Path | 
                          "again (data=...), or --allow-other-data to read the dataset of its recipe")
     now = data_record(run["recipe"]["dataset"], data_root, graph)
     if now["identity"] != recorded.get("identity"):
-        def where(record: dict[str, Any]) -> str:
-            return IN_MEMORY if record.get("root") == IN_MEMORY else f"the {run['recipe']['dataset']} files of " \
-                                                                      f"{record.get('root')}"
-        raise LadleError(f"run {run_dir} was trained on {where(recorded)} (identity {recorded.get('identity')}), "
-                         f"not on {where(now)} (identity {now['identity']}): pass the run's data (--data-root), or "
-                         "--allow-other-data if they are the same data")
+        was, given = (record["root"] if record.get("root") == IN_MEMORY
+                      else f"the {run['recipe']['dataset']} files of {record.get('root')}" for record in (recorded, now))
+        raise LadleError(f"run {run_dir} was trained on {was} (identity {recorded.get('identity')}), not on {given} "
+                         f"(identity {now['identity']}): pass the run's data (--data-root), or --allow-other-data if "
+                         "they are the same data")
 
 
 def check_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> StateDict:
@@ -161,17 +161,15 @@ def load_model(run_dir: str | Path | None = None, name: str | None = None) -> GN
     ``model.recipe``. ``run_dir`` None: ``checkpoints/latest``."""
     path = resolve_run_dir(run_dir)
     run, files = read_run(path), RunDir(path)
-    saved = sorted(p.name.removesuffix(".safetensors") for p in path.glob("*.safetensors")
-                   if p.name not in (files.init.name, files.partition.name) and ".progress." not in p.name)
     if name is None:
         chosen = read_json(files.report_json).get("parallel_phase") if files.report_json.is_file() else None
         if not chosen:
             raise LadleError(f"{path} has no soup report yet: soup it (python -m ladle.soup --run-dir {path}) or name "
-                             f"a model (it has: {', '.join(saved) or 'none'})")
+                             f"a model (it has: {_saved_models(files)})")
         name = str(chosen["best_soup"])
     weights = files.weights(name)
     if not weights.is_file():
-        raise LadleError(f"{path} has no model {name!r} (it has: {', '.join(saved) or 'none'})")
+        raise LadleError(f"{path} has no model {name!r} (it has: {_saved_models(files)})")
     state = check_weights(weights, expected_shapes(run))
     recipe = recipe_from_dict(run["recipe"])
     with torch.random.fork_rng(devices=[]):  # the weights are replaced: leave the caller's RNG as it was
@@ -179,6 +177,13 @@ def load_model(run_dir: str | Path | None = None, name: str | None = None) -> GN
     model.load_state_dict(state)
     model.recipe = recipe
     return model.eval()
+
+
+def _saved_models(files: RunDir) -> str:
+    """The models a run directory holds (its weights but the init, the partition and training states)."""
+    names = sorted(p.name.removesuffix(".safetensors") for p in files.path.glob("*.safetensors")
+                   if p.name not in (files.init.name, files.partition.name) and ".progress." not in p.name)
+    return ", ".join(names) or "none"
 
 
 def predict(run_dir: str | Path | None = None, data: Data | None = None, name: str | None = None,
@@ -193,8 +198,7 @@ def predict(run_dir: str | Path | None = None, data: Data | None = None, name: s
     elif data.x is None or data.edge_index is None or data.x.dim() != 2:
         raise LadleError("predict needs a graph with node features x (2-D) and edge_index")
     elif recipe.features == "normalize":  # as the run's graph was (ladle.graph.given.user_graph)
-        data = Data(x=data.x.float() / data.x.float().sum(1, keepdim=True).clamp(min=1e-12),
-                    edge_index=data.edge_index, num_nodes=data.num_nodes)
+        data = Data(x=normalize_rows(data.x), edge_index=data.edge_index, num_nodes=data.num_nodes)
     if data.x.size(1) != model.in_channels:
         raise LadleError(f"the graph has {data.x.size(1)} features per node, the model takes {model.in_channels}")
     with torch.no_grad():

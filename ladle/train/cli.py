@@ -26,6 +26,7 @@ from ladle.core.rundir import (
     averaging_run_dir,
     check_free,
     lock_run_dir,
+    make_run_dir,
     read_run,
     resolve_run_dir,
     run_difference,
@@ -147,7 +148,7 @@ def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     check_free(run_dir)
     data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
     check_fits(recipe, data.num_features, data.num_classes)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     with lock_run_dir(run_dir, "ladle.train --average-every"):
         meta = train_with_averaging(recipe, data, args.ingredients, args.average_every, run_dir, tuple(args.log))
     print(f"averaged every {args.average_every} epochs, K={args.ingredients}: val {meta['val_acc']:.4f} "

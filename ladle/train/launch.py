@@ -33,6 +33,7 @@ from ladle.core.rundir import (
     check_same_run,
     hold_as_worker,
     lock_run_dir,
+    make_run_dir,
     new_run_dir,
     read_run,
     resolve_run_dir,
@@ -163,12 +164,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     check_same_run(run_path, spec.definition())
     shards = prepare_shards(recipe, ingredients, data_root, graph=given)  # once, cached; bad view settings fail here
     check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"])
-    try:
-        run_path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise LadleError(f"cannot create run directory {run_path}: {error.strerror} (choose another --run-dir)") from None
-    if not os.access(run_path, os.W_OK):
-        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
+    make_run_dir(run_path)
 
     with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
         check_same_run(run_path, spec.definition())  # again, now that no one else can write it

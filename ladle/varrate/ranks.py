@@ -23,6 +23,7 @@ from ladle.core.rundir import (
     check_varrate_dir,
     hold_as_worker,
     lock_run_dir,
+    make_run_dir,
     new_run_dir,
 )
 from ladle.core.storage import read_json
@@ -134,7 +135,7 @@ def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = 
     run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
     _check_run_dir(run_path)
     check_inputs(recipe, options, data_root)
-    _make_run_dir(run_path)
+    make_run_dir(run_path)
     args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root)
     with lock_run_dir(run_path, "ladle.varrate"):
         check_varrate_dir(run_path)  # again, now that no one else can write it
@@ -157,15 +158,6 @@ def _check_run_dir(run_path: Path) -> None:
     check_varrate_dir(run_path)
     if run_path.is_dir():
         check_free(run_path)
-
-
-def _make_run_dir(run_path: Path) -> None:
-    try:
-        run_path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise LadleError(f"cannot create run directory {run_path}: {error.strerror} (choose another --run-dir)") from None
-    if not os.access(run_path, os.W_OK):
-        raise LadleError(f"run directory {run_path} is not writable (choose another --run-dir)")
 
 
 def _resolve(options: VarrateOptions, world: int) -> VarrateOptions:
@@ -196,6 +188,6 @@ def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
         return run_rank(recipe, options, None, data_root, local_rank)
     run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
     _check_run_dir(run_path)
-    _make_run_dir(run_path)
+    make_run_dir(run_path)
     with lock_run_dir(run_path, "ladle.varrate"):
         return run_rank(recipe, options, run_path, data_root, local_rank)
