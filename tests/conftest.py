@@ -112,6 +112,33 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of a finished run (its ``shards`` link kept) as ``tmp_path/run``, to damage or resume."""
+    target = tmp_path / "run"
+    shutil.copytree(run, target, symlinks=True)
+    return target
+
+
+def train_until_crash(recipe, data, task, evaluations: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train ``task`` in this process and stop it with an error at its ``evaluations``-th validation (epoch
+    ``evaluations - 1``), as a crash mid-run would: what it saved by then stays on disk."""
+    from ladle.train import loop
+    from ladle.train.loop import train_task
+
+    evaluate, calls = loop.evaluate, []
+
+    def crash(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == evaluations:
+            raise RuntimeError("killed")
+        return evaluate(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "evaluate", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_task(recipe, data, task)
+
+
 def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
     """Start ``python -m ladle.train`` on ``run_dir`` and SIGKILL it (whole process group) as soon as the
     file ``marker`` appears there: a crash in the middle of training."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process
+from conftest import TRUNKLESS, copy_run, run_in_process, train_until_crash
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
@@ -25,7 +25,6 @@ from ladle.graph.shards import load_shard, prepare_shards
 from ladle.nn.models import build_model
 from ladle.prepare import main as prepare_main
 from ladle.soup.pipeline import soup_run
-from ladle.train import loop
 from ladle.train.curves import merge_metrics
 from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.loop import train_task
@@ -62,12 +61,6 @@ def trunk_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
                              run_dir=tmp_path_factory.mktemp("hostile") / "run").run_dir
 
 
-def _copy(run: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "run"
-    shutil.copytree(run, target, symlinks=True)
-    return target
-
-
 # ------------------------------------------------------------------ 1. prune removes only what ladle wrote
 
 
@@ -100,7 +93,7 @@ def test_an_empty_or_working_directory_cache_root_is_refused(value: str, tmp_pat
 
 
 def test_resume_and_soup_refuse_other_data(trunk_run: Path, data_root: Path, tmp_path: Path) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     copy = tmp_path / "data"
     shutil.copytree(data_root / "Cora", copy / "Cora")  # the same files, elsewhere (mtimes kept): the same data
     assert soup_run(run, method="uniform", data_root=copy, write=False)["soups"]
@@ -122,7 +115,7 @@ def test_resume_and_soup_refuse_other_data(trunk_run: Path, data_root: Path, tmp
 
 
 def test_varrate_refuses_another_kind_of_run_a_file_and_a_locked_folder(trunk_run: Path, tmp_path: Path) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     before = {path.name: path.stat().st_mtime_ns for path in run.iterdir()}
     error = _one_line(run_in_process("ladle.varrate", "--ranks", "2", "--run-dir", str(run)))
     assert error == (f"error: run directory {run} holds a ladle.train run (run.json); a varrate run goes in a folder "
@@ -143,7 +136,7 @@ def test_varrate_refuses_another_kind_of_run_a_file_and_a_locked_folder(trunk_ru
 
 def test_a_fifo_or_a_directory_in_place_of_a_file_is_refused_not_waited_on(trunk_run: Path, data_root: Path,
                                                                            tmp_path: Path) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     (run / "ingredient-00.json").unlink()
     os.mkfifo(run / "ingredient-00.json")
     (run / "ingredient-01.json").unlink()
@@ -181,7 +174,7 @@ def test_a_fifo_in_the_cache_is_read_around(data_root: Path, tmp_path: Path, mon
 
 def test_a_damaged_trunk_is_trained_again_and_a_foreign_one_refused(trunk_run: Path, data_root: Path,
                                                                    tmp_path: Path, cora_data) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     trunk = run / "trunk.safetensors"
     trunk.write_bytes(trunk.read_bytes()[:-64])
     result = resume_run(run, workers=1, data_root=data_root)
@@ -222,19 +215,8 @@ def test_a_truncated_progress_file_restarts_the_ingredient(cora_data, tmp_path: 
                                                            caplog: pytest.LogCaptureFixture, one_thread) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=8"])
     whole = train_task(recipe, cora_data, IngredientTask(0, 2, tmp_path / "whole", "independent", 3))
-    evaluate, calls = loop.evaluate, []
-
-    def crash_at_epoch_5(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("killed")
-        return evaluate(*args, **kwargs)
-
     task = IngredientTask(0, 2, tmp_path / "resumed", "independent", 3)
-    monkeypatch.setattr(loop, "evaluate", crash_at_epoch_5)
-    with pytest.raises(RuntimeError, match="killed"):
-        train_task(recipe, cora_data, task)
-    monkeypatch.setattr(loop, "evaluate", evaluate)
+    train_until_crash(recipe, cora_data, task, 6, monkeypatch)  # at epoch 5, its progress saved after epoch 2
     task.progress_path.write_bytes(task.progress_path.read_bytes()[:-200])
     with caplog.at_level(logging.WARNING):
         again = train_task(recipe, cora_data, task)
@@ -282,7 +264,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_its_folder_exists(d
 
 def test_damaged_run_json_metrics_and_recipe_files_are_named(trunk_run: Path, data_root: Path, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     (run / "run.json").write_text("{}")
     for command in (("ladle.soup",), ("ladle.train", "--resume")):
         error = _one_line(run_in_process(*command, "--run-dir", str(run), "--data-root", str(data_root)))
@@ -300,7 +282,7 @@ def test_damaged_run_json_metrics_and_recipe_files_are_named(trunk_run: Path, da
 
 
 def test_resume_refuses_flags_that_contradict_the_run(trunk_run: Path, data_root: Path, tmp_path: Path) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     before = {path.name: path.stat().st_mtime_ns for path in run.iterdir()}
     error = _one_line(run_in_process("ladle.train", "--resume", "-k", "5", "hidden=32", "--run-dir", str(run)))
     assert error == ("error: --resume finishes the run as it was recorded, and these flags contradict it: "
@@ -317,7 +299,7 @@ def test_resume_refuses_flags_that_contradict_the_run(trunk_run: Path, data_root
 
 def test_a_killed_soups_temporary_file_is_removed_by_the_next_owner(trunk_run: Path, data_root: Path,
                                                                      tmp_path: Path) -> None:
-    run = _copy(trunk_run, tmp_path)
+    run = copy_run(trunk_run, tmp_path)
     (run / ".soup-uniform.safetensors.0123456789abcdef.tmp").write_bytes(b"")  # what a SIGKILL mid-write leaves
     soup_run(run, method="uniform", data_root=data_root)
     assert not list(run.glob(".*.tmp")) and (run / "soup-uniform.safetensors").is_file()

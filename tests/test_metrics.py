@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TRUNKLESS, run_in_process, run_module
+from conftest import TRUNKLESS, run_in_process, run_module, train_until_crash
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.soup.methods import chosen_methods
 from ladle.soup.pipeline import planned_scorings, soup_run
-from ladle.train import loop as engine
 from ladle.train.curves import COLUMNS, check_loggers, merge_metrics
 from ladle.train.loop import train_task
 from ladle.train.task import IngredientTask
@@ -109,21 +108,10 @@ def test_resume_keeps_earlier_rows_and_writes_each_epoch_once(cora_data, tmp_pat
                                                                one_thread) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=12", "patience=100"])
     whole = train_task(recipe, cora_data, IngredientTask(0, 2, tmp_path / "whole", "independent", 5))
-    evaluate, calls = engine.evaluate, []
-
-    def crash_at_epoch_7(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise RuntimeError("killed")
-        return evaluate(*args, **kwargs)
-
     task = IngredientTask(0, 2, tmp_path / "resumed", "independent", 5)
-    monkeypatch.setattr(engine, "evaluate", crash_at_epoch_7)
-    with pytest.raises(RuntimeError, match="killed"):
-        train_task(recipe, cora_data, task)
+    train_until_crash(recipe, cora_data, task, 8, monkeypatch)  # at epoch 7
     part = tmp_path / "resumed" / "metrics-ingredient-00.csv"
     assert [row["epoch"] for row in rows_of(part)] == [str(e) for e in range(7)]  # epochs 5, 6 will run again
-    monkeypatch.setattr(engine, "evaluate", evaluate)
     resumed = train_task(recipe, cora_data, task)
     assert resumed["epochs_run"] == whole["epochs_run"] == 12
     merge_metrics(tmp_path / "resumed")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, TRUNKLESS, run_in_process, run_module
+from conftest import PROJECT, TRUNKLESS, copy_run, run_in_process, run_module
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -30,12 +29,6 @@ def finished_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A finished run: two Cora ingredients on the full graph, 3 epochs each."""
     return train_ingredients(load_recipe(None, FULL), ingredients=2, workers=1, data_root=data_root,
                              run_dir=tmp_path_factory.mktemp("lock") / "run").run_dir
-
-
-def _copy(run: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "run"
-    shutil.copytree(run, target, symlinks=True)
-    return target
 
 
 def _files(run: Path) -> dict[str, int]:
@@ -115,7 +108,7 @@ def test_a_worker_of_a_killed_launcher_keeps_the_run_owned(tmp_path: Path) -> No
 
 def test_resume_averaging_and_soup_are_refused_while_another_owns_the_run(finished_run: Path, data_root: Path,
                                                                           tmp_path: Path) -> None:
-    run = _copy(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path)
     before = _files(run)
     commands = [("ladle.train", "--resume"), ("ladle.train", "--average-every", "2", "-k", "2", *FULL),
                 ("ladle.soup", "--method", "uniform")]
@@ -132,7 +125,7 @@ def test_resume_averaging_and_soup_are_refused_while_another_owns_the_run(finish
 
 def test_a_directory_holding_another_run_is_refused_unless_resumed(finished_run: Path, data_root: Path,
                                                                    tmp_path: Path) -> None:
-    run = _copy(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path)
     before = _files(run)
     error = _one_line(run_in_process("ladle.train", "-k", "2", *FULL, "hidden=32", "--run-dir", str(run),
                                      "--data-root", str(data_root)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TRUNKLESS, run_in_process
+from conftest import TRUNKLESS, copy_run, run_in_process
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import ViewConfig, load_recipe
@@ -253,15 +253,9 @@ def finished_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> P
                              data_root=data_root, run_dir=tmp_path_factory.mktemp("security") / "run").run_dir
 
 
-def _copy(run: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "run"
-    shutil.copytree(run, target, symlinks=True)
-    return target
-
-
 def test_a_foreign_first_ingredient_is_the_one_named_and_skipped(finished_run: Path, data_root: Path,
                                                                  tmp_path: Path, cora_data) -> None:
-    run = _copy(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path)
     meta = json.loads((run / "ingredient-00.json").read_text())
     meta["recipe"]["hidden"] = 32  # ingredient-00 and its JSON copied in from a run with another width
     (run / "ingredient-00.json").write_text(json.dumps(meta))
@@ -284,7 +278,7 @@ def test_a_foreign_first_ingredient_is_the_one_named_and_skipped(finished_run: P
 
 def test_resume_trains_a_truncated_checkpoint_again(finished_run: Path, data_root: Path, tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    run = _copy(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path)
     weights = run / "ingredient-01.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     untouched = (run / "ingredient-00.safetensors").stat().st_mtime_ns
@@ -299,7 +293,7 @@ def test_resume_trains_a_truncated_checkpoint_again(finished_run: Path, data_roo
 
 
 def test_the_report_lists_what_skip_bad_left_out(finished_run: Path, data_root: Path, tmp_path: Path) -> None:
-    run = _copy(finished_run, tmp_path)
+    run = copy_run(finished_run, tmp_path)
     weights = run / "ingredient-01.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     soup_run(run, method="uniform", skip_bad=True, data_root=data_root)
