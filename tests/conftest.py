@@ -141,7 +141,8 @@ def train_until_crash(recipe, data, task, evaluations: int, monkeypatch: pytest.
 
 def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
     """Start ``python -m ladle.train`` on ``run_dir`` and SIGKILL it (whole process group) as soon as the
-    file ``marker`` appears there: a crash in the middle of training."""
+    file ``marker`` appears there: a crash in the middle of training. Returns once its workers have exited too
+    (until then the run is refused as still in use, and a user retries)."""
     process = subprocess.Popen([sys.executable, "-m", "ladle.train", *args, "--run-dir", str(run_dir)], cwd=PROJECT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240
@@ -150,8 +151,23 @@ def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
     assert process.poll() is None, f"training finished before {marker} appeared, so it could not be killed"
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    lock_once_workers_exit(run_dir)
 
 
+def lock_once_workers_exit(run_dir: Path, seconds: float = 30) -> None:
+    """Take the run's lock as soon as a killed owner's workers have exited (refused until then), then let it go."""
+    from ladle.core.errors import LadleError
+    from ladle.core.rundir import lock_run_dir
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with lock_run_dir(run_dir, "test"):
+                return
+        except LadleError as error:
+            assert "still in use by the workers of a command that stopped" in str(error), error
+            assert time.monotonic() < deadline, "the killed owner's workers still hold the run"
+            time.sleep(0.1)
 
 # The files that take longest, started first: with ``-n 2 --dist loadfile`` the two workers then end together
 # instead of one finishing a long file alone (longest-processing-time-first scheduling).

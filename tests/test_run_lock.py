@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, TRUNKLESS, copy_run, run_in_process, run_module
+from conftest import (
+    PROJECT,
+    TRUNKLESS,
+    copy_run,
+    lock_once_workers_exit,
+    run_in_process,
+    run_module,
+)
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
@@ -71,20 +78,7 @@ def test_a_second_train_is_refused_while_the_first_runs(data_root: Path, tmp_pat
                 with contextlib.suppress(ProcessLookupError):  # the whole group: the train and its workers
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-    _lock_once_workers_exit(run_dir)  # the kernel dropped the killed owner's locks
-
-
-def _lock_once_workers_exit(run_dir: Path, seconds: float = 30) -> None:
-    """Take the run's lock as soon as the killed owner's workers have exited (refused until then)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with lock_run_dir(run_dir, "test"):
-                return
-        except LadleError as error:
-            assert "still in use by the workers of a command that stopped" in str(error), error
-            assert time.monotonic() < deadline, "the killed owner's workers still hold the run"
-            time.sleep(0.1)
+    lock_once_workers_exit(run_dir)  # the kernel dropped the killed owner's locks
 
 
 def test_a_worker_of_a_killed_launcher_keeps_the_run_owned(tmp_path: Path) -> None:
@@ -181,7 +175,7 @@ def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> Non
         while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in workers), "a worker outlived its launcher"
-        _lock_once_workers_exit(run, seconds=5)
+        lock_once_workers_exit(run, seconds=5)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
