@@ -18,7 +18,7 @@ import yaml
 from ladle.core.errors import LadleError
 from ladle.core.recipe_files import RecipeLoader, read_recipe_file
 
-MODEL_KINDS = ("gcn", "sage", "gat")
+MODEL_KINDS = ("gcn", "sage", "gat", "gin", "appnp", "custom")  # custom: the class given with --model-class
 NORM_KINDS = ("none", "batch", "layer")
 FEATURE_MODES = ("auto", "raw", "normalize")
 SOUP_SEARCHES = ("grid", "fast")

@@ -28,16 +28,21 @@ class GraphInputs:
         return GraphInputs(self.x.to(device), self.adj.to(device), self.num_nodes)
 
 
+EDGE_INDEX_MODELS = ("gat", "gin", "appnp", "custom")  # their layers take PyG's edge_index
+SPARSE_FEATURE_MODELS = ("gcn", "sage")  # their first layer projects a sparse feature matrix
+
+
 def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tensor | None = None,
               degree: Tensor | None = None) -> SparseMatrix | Tensor:
     """The adjacency a model aggregates with; rows are targets (messages flow ``src -> dst``).
 
-    gcn: symmetric normalisation with self-loops; sage: mean over in-neighbours; gat: ``edge_index``.
+    gcn: symmetric normalisation with self-loops; sage: mean over in-neighbours; the others
+    (:data:`EDGE_INDEX_MODELS`): ``edge_index`` itself.
     ``edge_weight`` (GraphSAINT's aggregator normalisation) multiplies each edge's entry. ``degree``
     (in-degree of each node in a larger graph this one is cut from) replaces the in-degree counted
     here, so nodes whose in-edges are all present are normalised exactly as in that graph.
     """
-    if model == "gat":
+    if model in EDGE_INDEX_MODELS:
         return edge_index
     src, dst = edge_index
     weight = torch.ones(src.numel()) if edge_weight is None else edge_weight.float()
@@ -60,7 +65,7 @@ def use_sparse_features(x: Tensor, model: str) -> bool:
 
     Small batches stay dense: there, building the sparse matrix costs more than it saves.
     """
-    if model == "gat" or x.dim() != 2 or x.size(1) < 256 or x.numel() < 1 << 21:
+    if model not in SPARSE_FEATURE_MODELS or x.dim() != 2 or x.size(1) < 256 or x.numel() < 1 << 21:
         return False
     sample = x[: min(x.size(0), 4096)]
     return bool(torch.count_nonzero(sample) < 0.05 * sample.numel())

@@ -51,7 +51,13 @@ from ladle.graph.datasets import (
     mark_cache_entry,
 )
 from ladle.graph.given import graph_identity
-from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
+from ladle.graph.inputs import (
+    SPARSE_FEATURE_MODELS,
+    GraphInputs,
+    adjacency,
+    graph_inputs,
+    use_sparse_features,
+)
 from ladle.graph.partition import InEdges, part_subgraph
 from ladle.graph.sparse import CSRRows, SparseMatrix
 from ladle.graph.views import FullView, IngredientView, build_view
@@ -89,7 +95,7 @@ class Shard:
     def inputs(self, model: str) -> GraphInputs:
         """:func:`~ladle.graph.inputs.graph_inputs` of the whole shard, decided and built the same way, but bag-of-words
         features come from their stored non-zeros: the dense ``x`` is never read."""
-        if not self.meta["sparse_features"] or model == "gat":
+        if not self.meta["sparse_features"] or model not in SPARSE_FEATURE_MODELS:
             return graph_inputs(self.data, model, sparse_features=False)
         rowptr = self.arrays["x_rowptr"]
         row = torch.repeat_interleave(torch.arange(rowptr.numel() - 1), rowptr.diff())

@@ -26,6 +26,7 @@ from ladle.graph.inputs import use_sparse_features
 from ladle.graph.shards import Shard
 from ladle.nn.models import GNN, GCNLayer, SAGELayer
 
+LAYERWISE_MODELS = ("gcn", "sage", "gat")  # GIN, APPNP and custom models are scored by a whole-graph forward
 DEFAULT_BATCH_ENTRIES = 1 << 24  # entries of A + I per batch of rows
 FIRST_AGGREGATION_BYTES = 2 << 30  # dense features up to this size get their first aggregation cached
 
@@ -65,6 +66,11 @@ class LayerwiseInference:
     def from_shard(cls, shard: Shard, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
         """From a loaded shard (usually a run's ``shards/graph``): its CSR is used as it is, memory-mapped."""
         return cls(shard.data.x, shard.rowptr, shard.col, batch_entries)
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether :meth:`logits` can run ``model``: a built-in GCN, SAGE or GAT."""
+        return isinstance(model, GNN) and model.model in LAYERWISE_MODELS
 
     @torch.no_grad()
     def logits(self, model: GNN, bn_nodes: Tensor | None = None) -> Tensor:

@@ -1,21 +1,26 @@
-"""GCN, GraphSAGE and GAT on PyG's convolutions, and the graph inputs they consume.
+"""GCN, GraphSAGE, GAT, GIN and APPNP on PyG's convolutions, and the graph inputs they consume.
 
 GCN and SAGE layers keep PyG's parameters (``GCNConv``/``SAGEConv`` state dicts) but aggregate with a
 cached :class:`~ladle.graph.sparse.SparseMatrix` (``out = Â · X W``), 2-3x faster than ``edge_index``
-message passing on CPU. GAT needs per-edge attention and takes ``edge_index``.
+message passing on CPU. GAT (per-edge attention), GIN (a sum of neighbours through an MLP) and APPNP (an MLP,
+then personalised-PageRank propagation) are PyG's own layers on ``edge_index``. A user's own class
+(``model: custom``) is built by :mod:`ladle.nn.custom`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+from torch_geometric.nn import APPNP, GATConv, GCNConv, GINConv, SAGEConv
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
 from ladle.core.resources import total_memory
 from ladle.graph.inputs import Features, GraphInputs
 from ladle.graph.sparse import SparseMatrix
+from ladle.nn.custom import CustomModel, ModelFactory
+
+APPNP_STEPS, APPNP_ALPHA = 10, 0.1  # the APPNP paper's (Gasteiger et al. 2019) and PyG's example's propagation
 
 
 def project_features(x: Features, linear: nn.Module) -> Tensor:
@@ -48,7 +53,8 @@ class SAGELayer(SAGEConv):
 
 
 class GNN(nn.Module):
-    """A stack of ``layers`` graph convolutions with norm, ReLU and dropout between them."""
+    """A stack of ``layers`` graph convolutions with norm, ReLU and dropout between them (APPNP: ``layers``
+    linear layers, then :data:`APPNP_STEPS` parameter-free propagation steps)."""
 
     def __init__(self, model: str, in_channels: int, hidden: int, out_channels: int, layers: int = 2,
                  dropout: float = 0.5, norm: str = "none", heads: int = 8) -> None:
@@ -62,26 +68,35 @@ class GNN(nn.Module):
                 self.convs.append(GCNLayer(fan_in, fan_out))
             elif model == "sage":
                 self.convs.append(SAGELayer(fan_in, fan_out))
+            elif model == "gin":  # GIN-0 (eps = 0): sum of self and neighbours, then a 2-layer MLP
+                self.convs.append(GINConv(nn.Sequential(nn.Linear(fan_in, hidden), nn.ReLU(), nn.Linear(hidden, fan_out))))
+            elif model == "appnp":
+                self.convs.append(nn.Linear(fan_in, fan_out))
             else:
                 in_width = fan_in if i == 0 else hidden
                 out_per_head, n_heads = (fan_out, 1) if last else (max(1, hidden // heads), heads)
                 self.convs.append(GATConv(in_width, out_per_head, heads=n_heads, dropout=dropout))
                 sizes[i + 1] = out_per_head * n_heads
         self.norms = nn.ModuleList(_norm(norm, width) for width in sizes[1:-1])
+        self.propagation = APPNP(APPNP_STEPS, APPNP_ALPHA) if model == "appnp" else None
 
     def forward(self, inputs: GraphInputs) -> Tensor:
         """Logits for every node of ``inputs``."""
         h: Features = inputs.x
         for i, conv in enumerate(self.convs):
-            h = conv(h, inputs.adj)
+            h = conv(h) if self.propagation is not None else conv(h, inputs.adj)
             if i < len(self.convs) - 1:
                 h = F.dropout(F.relu(self.norms[i](h)), self.dropout, self.training)
         assert isinstance(h, Tensor)
-        return h
+        return h if self.propagation is None else self.propagation(h, inputs.adj)
 
     def has_batch_norm(self) -> bool:
         """Whether running statistics must be recomputed after merging weights."""
         return any(isinstance(n, nn.BatchNorm1d) for n in self.norms)
+
+    def hops(self) -> int:
+        """How far a node's logits read: its layers' hops (APPNP: its propagation steps)."""
+        return APPNP_STEPS if self.propagation is not None else len(self.convs)
 
 
 def _norm(kind: str, width: int) -> nn.Module:
@@ -95,11 +110,11 @@ def _norm(kind: str, width: int) -> nn.Module:
 TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and Adam's two moments
 
 
-def check_fits(recipe: Recipe, in_channels: int, num_classes: int) -> None:
+def check_fits(recipe: Recipe, in_channels: int, num_classes: int, model_class: ModelFactory | None = None) -> None:
     """Refuse, before anything is written, a model whose weights and optimizer state alone outgrow this machine's
     memory (counted on the meta device: nothing allocated)."""
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in build_model(recipe, in_channels, num_classes).parameters())
+        parameters = sum(p.numel() for p in build_model(recipe, in_channels, num_classes, model_class).parameters())
     needed, memory = parameters * TRAINING_BYTES_PER_PARAMETER, total_memory()
     if memory and needed > memory:
         raise LadleError(f"the model (hidden {recipe.hidden}, layers {recipe.layers}) has {parameters:,} parameters: "
@@ -107,7 +122,14 @@ def check_fits(recipe: Recipe, in_channels: int, num_classes: int) -> None:
                          f"{memory / 2**30:.1f} GiB; choose a smaller hidden or fewer layers")
 
 
-def build_model(recipe: Recipe, in_channels: int, num_classes: int) -> GNN:
-    """The recipe's model (``model``, ``hidden``, ``layers``, ``dropout``, ``norm``, ``heads``)."""
+def build_model(recipe: Recipe, in_channels: int, num_classes: int,
+                model_class: ModelFactory | None = None) -> GNN | CustomModel:
+    """The recipe's model (``model``, ``hidden``, ``layers``, ``dropout``, ``norm``, ``heads``); for ``model: custom``,
+    ``model_class(in_channels, num_classes)``, which the caller must then give."""
+    if recipe.model == "custom":
+        if model_class is None:
+            raise LadleError("this run's model is your own class (model: custom): pass --model-class "
+                             "package.module:Class (model= in the library)")
+        return CustomModel(model_class, in_channels, num_classes)
     return GNN(recipe.model, in_channels, recipe.hidden, num_classes, recipe.layers, recipe.dropout,
                recipe.norm, recipe.heads)

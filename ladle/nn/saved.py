@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
@@ -30,17 +30,19 @@ from ladle.graph.datasets import (
 )
 from ladle.graph.given import graph_identity
 from ladle.graph.inputs import graph_inputs
+from ladle.nn.custom import CustomModel, ModelFactory, check_model_class
 from ladle.nn.models import GNN, build_model
 
 log = logging.getLogger(__name__)
 
 
-def expected_shapes(run: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the weights of a model of ``run``'s recipe (its ``run.json``), which every
-    checkpoint of the run must hold; built on the meta device, so nothing is allocated and no RNG drawn."""
+def expected_shapes(run: dict[str, Any], model_class: ModelFactory | None = None) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the weights of a model of ``run``'s recipe (its ``run.json``; ``model_class`` for your
+    own model), which every checkpoint of the run must hold; built on the meta device, so nothing is allocated
+    and no RNG drawn."""
     with torch.device("meta"):
         model = build_model(recipe_from_dict(run["recipe"]), int(run["dataset"]["features"]),
-                            int(run["dataset"]["classes"]))
+                            int(run["dataset"]["classes"]), model_class)
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
@@ -114,12 +116,13 @@ class Ingredients:
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why (``--skip-bad``)
 
 
-def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
+def load_ingredients(run_dir: Path, skip_bad: bool = False, model_class: ModelFactory | None = None) -> Ingredients:
     """Load every finished ingredient, each checked against ``run.json``'s recipe (its own recipe, and the
-    keys and shapes of a model built from it); name missing ones; refuse (or skip, with why) the others."""
+    keys and shapes of a model built from it, by ``model_class`` for your own model); name missing ones; refuse
+    (or skip, with why) the others."""
     files = RunDir(run_dir)
     run = read_run(run_dir)
-    expected = expected_shapes(run)
+    expected = expected_shapes(run, model_class)
     bundle = Ingredients([], [], [], [])
     for k in range(int(run["ingredients"])):
         name = ingredient_name(k)
@@ -154,11 +157,20 @@ def load_ingredients(run_dir: Path, skip_bad: bool = False) -> Ingredients:
     return bundle
 
 
-def load_model(run_dir: str | Path | None = None, name: str | None = None) -> GNN:
+def load_model(run_dir: str | Path | None = None, name: str | None = None,
+               model: ModelFactory | None = None) -> nn.Module:
     """A model a run saved, ready to use: a soup (``soup-<method>``), ``ingredient-XX``, ``trunk``,
     ``trunk-continued``, ``baseline`` or ``averaged`` (None: the soup the run's report chose, the best on
     validation), its weights checked against the run's recipe, in eval mode, with that recipe as
-    ``model.recipe``. ``run_dir`` None: ``checkpoints/latest``."""
+    ``model.recipe``. ``run_dir`` None: ``checkpoints/latest``. A run of your own model needs its class as
+    ``model`` and gives back an instance of it (``forward(x, edge_index)``); ladle's own models take
+    :class:`~ladle.graph.inputs.GraphInputs` (or use :func:`predict`)."""
+    loaded = _load(run_dir, name, model)
+    return loaded.module if isinstance(loaded, CustomModel) else loaded
+
+
+def _load(run_dir: str | Path | None, name: str | None, model_class: ModelFactory | None) -> GNN | CustomModel:
+    """:func:`load_model`, your own model still behind ladle's ``forward(inputs)``; its ``recipe`` set."""
     path = resolve_run_dir(run_dir)
     run, files = read_run(path), RunDir(path)
     if name is None:
@@ -170,12 +182,15 @@ def load_model(run_dir: str | Path | None = None, name: str | None = None) -> GN
     weights = files.weights(name)
     if not weights.is_file():
         raise LadleError(f"{path} has no model {name!r} (it has: {_saved_models(files)})")
-    state = check_weights(weights, expected_shapes(run))
     recipe = recipe_from_dict(run["recipe"])
+    check_model_class(recipe, model_class)
+    state = check_weights(weights, expected_shapes(run, model_class))
     with torch.random.fork_rng(devices=[]):  # the weights are replaced: leave the caller's RNG as it was
-        model = build_model(recipe, int(run["dataset"]["features"]), int(run["dataset"]["classes"]))
+        model = build_model(recipe, int(run["dataset"]["features"]), int(run["dataset"]["classes"]), model_class)
     model.load_state_dict(state)
     model.recipe = recipe
+    if isinstance(model, CustomModel):
+        model.module.recipe = recipe
     return model.eval()
 
 
@@ -187,11 +202,12 @@ def _saved_models(files: RunDir) -> str:
 
 
 def predict(run_dir: str | Path | None = None, data: Data | None = None, name: str | None = None,
-            data_root: str | Path | None = None) -> Tensor:
+            data_root: str | Path | None = None, model: ModelFactory | None = None) -> Tensor:
     """Logits of a run's model (:func:`load_model`) for every node of ``data``, a PyG ``Data`` with ``x`` and
     ``edge_index`` whose features are prepared as ladle prepares the run's (:func:`~ladle.graph.datasets.load_dataset`
-    with the recipe's ``features``); None: the run's own dataset, loaded from ``data_root``."""
-    model = load_model(run_dir, name)
+    with the recipe's ``features``); None: the run's own dataset, loaded from ``data_root``. ``model``: the class of
+    a run of your own model."""
+    model = _load(run_dir, name, model)
     recipe = model.recipe
     if data is None:
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)

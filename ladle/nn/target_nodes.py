@@ -21,9 +21,9 @@ from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.models import GNN, GCNLayer, SAGELayer
 
 
-def supports(model: GNN) -> bool:
+def supports(model: nn.Module) -> bool:
     """Whether every layer's maths is linear in its weights after one fixed aggregation (GCN, SAGE)."""
-    return all(isinstance(conv, (GCNLayer, SAGELayer)) for conv in model.convs)
+    return isinstance(model, GNN) and model.propagation is None and all(isinstance(conv, (GCNLayer, SAGELayer)) for conv in model.convs)
 
 
 def sample_targets(mask: Tensor, limit: int, seed: int) -> Tensor:

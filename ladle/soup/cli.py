@@ -6,6 +6,7 @@ import argparse
 from ladle.core.errors import LadleError
 from ladle.core.recipe import SOUP_METRICS
 from ladle.core.rundir import RunDir
+from ladle.nn.custom import import_model_class
 from ladle.soup.methods import SOUPS, method_names
 from ladle.soup.pipeline import soup_run
 from ladle.soup.report import format_table
@@ -26,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-root", help="dataset root folder")
     parser.add_argument("--allow-other-data", action="store_true",
                         help="soup on dataset files other than those the run was trained on (refused otherwise)")
+    parser.add_argument("--model-class", metavar="MODULE:CLASS",
+                        help="the class of your own model, as given to ladle.train (a run trained with one needs it)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid is not None and args.grid < 2:
         raise LadleError("--grid must be >= 2")
     report = soup_run(args.run_dir, args.method, args.grid, args.search, args.metric, args.recompute_bn,
-                      args.skip_bad, args.data_root, allow_other_data=args.allow_other_data)
+                      args.skip_bad, args.data_root, allow_other_data=args.allow_other_data,
+                      model=import_model_class(args.model_class) if args.model_class else None)
     print(format_table(report))
     print(f"report: {RunDir(report['run_dir']).report_md}")
     return 0

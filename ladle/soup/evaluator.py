@@ -14,8 +14,9 @@ from torch_geometric.utils import k_hop_subgraph
 
 from ladle.core.recipe import Recipe
 from ladle.core.storage import StateDict
-from ladle.graph.inputs import GraphInputs, adjacency, use_sparse_features
+from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.graph.sparse import SparseMatrix, select
+from ladle.nn.custom import CustomModel, ModelFactory
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.models import GNN, build_model
 from ladle.nn.scoring import Metrics, metrics, recompute_batch_norm
@@ -66,11 +67,15 @@ class Evaluator:
     """
 
     def __init__(self, recipe: Recipe, data: Data, layerwise: bool | None = None,
-                 inference: LayerwiseInference | None = None, recompute_bn: bool = True) -> None:
+                 inference: LayerwiseInference | None = None, recompute_bn: bool = True,
+                 model_class: ModelFactory | None = None) -> None:
         self.recipe, self.data, self.recompute_bn = recipe, data, recompute_bn
-        self.model: GNN = build_model(recipe, data.num_features, data.num_classes)
+        self.model: GNN | CustomModel = build_model(recipe, data.num_features, data.num_classes, model_class)
         self.sparse_features = use_sparse_features(data.x, recipe.model)
-        self.layerwise = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
+        self.forward = "layer-wise" if LayerwiseInference.supports(self.model) else "whole-graph"
+        wanted = data.num_nodes >= LAYERWISE_NODES if layerwise is None else layerwise
+        self.layerwise = wanted and self.forward == "layer-wise"
+        self.hops = self.model.hops() if isinstance(self.model, GNN) else None  # your own model's: unknown
         self._inference = inference
         self.train_nodes = data.train_mask.nonzero().view(-1)
 
@@ -101,6 +106,11 @@ class Evaluator:
         return adjacency(self.data.edge_index, self.data.num_nodes, self.recipe.model)
 
     @cached_property
+    def whole_inputs(self) -> GraphInputs:
+        """The whole graph's inputs, for models without a layer-wise path (:attr:`forward` ``whole-graph``)."""
+        return graph_inputs(self.data, self.recipe.model, self.sparse_features)
+
+    @cached_property
     def val(self) -> tuple[GraphInputs, Tensor, Tensor]:
         """The validation neighbourhood: inputs, labels of the validation nodes, where they are in it."""
         return self._neighbourhood(self.data.val_mask)
@@ -111,9 +121,12 @@ class Evaluator:
         return self._neighbourhood(self.data.train_mask)
 
     def _neighbourhood(self, mask: Tensor) -> tuple[GraphInputs, Tensor, Tensor]:
-        """Inputs of the L-hop sub-graph around ``mask``'s nodes, their labels, and where they are."""
+        """Inputs of the sub-graph around ``mask``'s nodes that their logits read (the model's hops), their labels,
+        and where they are."""
         seeds = mask.nonzero().view(-1)
-        nodes, edge_index, mapping, _ = k_hop_subgraph(seeds, self.recipe.layers, self.data.edge_index,
+        if self.hops is None:  # your own model's reach is unknown: the whole graph
+            return self.whole_inputs, self.data.y[seeds], seeds
+        nodes, edge_index, mapping, _ = k_hop_subgraph(seeds, self.hops, self.data.edge_index,
                                                        relabel_nodes=True, num_nodes=self.data.num_nodes)
         x = self.data.x[nodes]
         features = SparseMatrix.from_dense(x) if self.sparse_features else x
@@ -130,9 +143,13 @@ class Evaluator:
             self.model.load_state_dict(state)
             bn_nodes = self.train_nodes if self._recomputes() else None
             return self.inference.logits(self.model, bn_nodes)
-        return self.inference.logits(self.load(state))
+        model = self.load(state)
+        if self.forward == "whole-graph":
+            model.eval()
+            return model(self.whole_inputs)
+        return self.inference.logits(model)
 
-    def load(self, state: StateDict) -> GNN:
+    def load(self, state: StateDict) -> GNN | CustomModel:
         """The model holding ``state``; batch-norm statistics recomputed on the training nodes."""
         self.model.load_state_dict(state)
         if self._recomputes():

@@ -34,7 +34,8 @@ from ladle.core.storage import StateDict, read_json, save_state, write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.given import user_graph
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
-from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.custom import ModelFactory, check_model_class
+from ladle.nn.layerwise import LAYERWISE_MODELS, LayerwiseInference
 from ladle.nn.saved import (
     Ingredients,
     check_same_data,
@@ -62,12 +63,13 @@ log = logging.getLogger(__name__)
 def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid: int | None = None,
              search: str | None = None, metric: str | None = None, recompute_bn: bool | None = None,
              skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True,
-             allow_other_data: bool = False, data: Data | None = None) -> dict[str, Any]:
+             allow_other_data: bool = False, data: Data | None = None,
+             model: ModelFactory | None = None) -> dict[str, Any]:
     """Soup a run's ingredients with the chosen methods and write the soups and the report.
 
     Unset options come from the run's recipe (section ``soup``). Returns the report as a dict. The data must be
     the run's (``run.json`` records its identity; ``data``: the graph it was given in memory), unless
-    ``allow_other_data``.
+    ``allow_other_data``. ``model``: the class a run of your own model (``model: custom``) was trained with.
     This is the library call behind ``python -m ladle.soup``.
     """
     files = RunDir(resolve_run_dir(run_dir))
@@ -75,9 +77,10 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         check_free(files.path)  # before the work; the write phase takes the lock
     run = read_run(files.path)
     recipe = recipe_from_dict(run["recipe"])
+    check_model_class(recipe, model)
     graph = None if data is None else user_graph(data, recipe.features)
     check_same_data(run, files.path, data_root, allow_other_data, graph)
-    bundle = load_ingredients(files.path, skip_bad)  # each checked against run.json's recipe
+    bundle = load_ingredients(files.path, skip_bad, model)  # each checked against run.json's recipe
     options = recipe.soup
     method = method or options.method
     grid = grid or options.grid
@@ -97,8 +100,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         raise LadleError(f"dataset '{recipe.dataset}' does not match the run's (features/classes changed)")
     # learned-partition is for graphs whose validation neighbourhood does not fit: never build it then
     evaluator = Evaluator(recipe, data, layerwise=True if any(m.layerwise for m in methods) else None,
-                          inference=inference, recompute_bn=recompute)
-    expected = expected_shapes(run)
+                          inference=inference, recompute_bn=recompute, model_class=model)
+    expected = expected_shapes(run, model)
     trunk = _reference_weights(files, TRUNK, expected)
     bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
                unit="candidate", dynamic_ncols=True, disable=None)
@@ -134,7 +137,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
                    trunk if trunk is not None else check_weights(files.init, expected), "trunk" if trunk is not None else "init")
     report = {
-        "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "view": recipe.view.kind,
+        "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "forward": evaluator.forward,
+        "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
         "references": references, "parallel_phase": parallel_phase(soup_rows, references),
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
@@ -176,7 +180,8 @@ def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None, methods:
         log.info("the run's shards are gone or stale; reading %s", recipe.dataset if graph is None else "the graph")
         return (load_dataset(recipe.dataset, data_root, recipe.split, recipe.features) if graph is None
                 else graph), None
-    csr_only = shards.meta["graph"]["num_nodes"] >= LAYERWISE_NODES and all(m.inference_only for m in methods)
+    csr_only = (shards.meta["graph"]["num_nodes"] >= LAYERWISE_NODES and all(m.inference_only for m in methods)
+                and recipe.model in LAYERWISE_MODELS)
     shard = load_shard(shards.graph(), edge_index=not csr_only)
     return shard.data, LayerwiseInference.from_shard(shard)
 

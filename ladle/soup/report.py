@@ -76,7 +76,7 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("basin"):
         lines.append(basin_line(report["basin"]))
     lines.append(time_line(report))
-    lines += [line for line in (validation_line(report), scaled_line(report)) if line]
+    lines += [line for line in (validation_line(report), scaled_line(report), forward_line(report)) if line]
     return "\n".join(lines)
 
 
@@ -100,6 +100,14 @@ def scaled_line(report: dict[str, Any]) -> str:
             f"--method) and searches alpha {scaled['search']} (--search grid for every point)")
 
 
+def forward_line(report: dict[str, Any]) -> str:
+    """How models without ladle's layer-wise path (GIN, APPNP, your own) were scored, or ''."""
+    if report.get("forward", "layer-wise") == "layer-wise":
+        return ""
+    return (f"{report['model']} has no layer-wise inference in ladle: every model was scored by whole-graph forwards "
+            "of edge_index (validation: on the validation nodes' L-hop sub-graph)")
+
+
 def validation_line(report: dict[str, Any]) -> str:
     """Where candidates were scored, when it was a sample of the validation split (else empty)."""
     validation = report.get("validation") or {}
@@ -119,7 +127,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         *([f"**{trunk_line(report)}.**", ""] if trunk_line(report) else []),
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
         f"{time_line(report)}",
-        *[line for line in (validation_line(report), scaled_line(report)) if line],
+        *[line for line in (validation_line(report), scaled_line(report), forward_line(report)) if line],
         "",
         "| model | val acc | test acc | note |",
         "|---|---|---|---|",

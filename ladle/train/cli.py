@@ -32,6 +32,7 @@ from ladle.core.rundir import (
     run_difference,
 )
 from ladle.graph.datasets import load_dataset
+from ladle.nn.custom import import_model_class
 from ladle.nn.models import check_fits
 from ladle.train.curves import LOGGERS, check_loggers
 from ladle.train.launch import resume_run, train_ingredients
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log", action="append", choices=LOGGERS,
                         help="also log the training curves to TensorBoard event files in the run directory "
                              "(pip install 'ladle[tensorboard]'); the run's CSV of curves is always written")
+    parser.add_argument("--model-class", metavar="MODULE:CLASS",
+                        help="train your own model: a torch.nn.Module class called as Class(in_channels, num_classes) "
+                             "whose forward(x, edge_index) gives logits (importable, e.g. from the working folder); "
+                             "the recipe's model becomes custom, and ladle.soup needs the same flag")
     parser.add_argument("--list-recipes", action="store_true", help="list the recipes --recipe NAME finds, and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
@@ -96,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_every is not None and args.save_every < 0:
         raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
     check_loggers(args.log or [])
+    model_class = import_model_class(args.model_class) if args.model_class else None
     if args.resume:
         run_dir = resolve_run_dir(args.run_dir)
         _check_resume_flags(args, read_run(run_dir))
-        run = resume_run(run_dir, args.workers, args.data_root, args.backend, ray_options, args.allow_other_data)
+        run = resume_run(run_dir, args.workers, args.data_root, args.backend, ray_options, args.allow_other_data,
+                         model=model_class)
         print(run.summary_table())
         print(f"run directory: {run.run_dir}")
         return 0 if not run.failed else 1
@@ -109,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     args.ingredients = 8 if args.ingredients is None else args.ingredients
     args.log = args.log or []
     if args.average_every is not None:
+        if model_class is not None or recipe.model == "custom":
+            raise LadleError("--average-every trains ladle's built-in models only (drop --model-class)")
         return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init or "shared", baseline=bool(args.baseline), data_root=args.data_root,
                             device=args.device or "cpu", backend=args.backend or "local", ray_options=ray_options,
                             save_every=SAVE_EVERY if args.save_every is None else args.save_every,
-                            log=tuple(args.log))
+                            log=tuple(args.log), model=model_class)
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1

@@ -44,6 +44,7 @@ from ladle.graph.given import user_graph
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards
+from ladle.nn.custom import ModelFactory, check_model_class
 from ladle.nn.models import build_model, check_fits
 from ladle.nn.saved import (
     check_same_data,
@@ -135,7 +136,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
                       data_root: str | Path | None = None, device: str = "cpu",
                       checkpoints_root: str | Path = CHECKPOINTS, backend: str = "local",
                       ray_options: dict[str, Any] | None = None, save_every: int = SAVE_EVERY,
-                      threads: int | None = None, log: tuple[str, ...] = (), data: Data | None = None) -> RunResult:
+                      threads: int | None = None, log: tuple[str, ...] = (), data: Data | None = None,
+                      model: ModelFactory | None = None) -> RunResult:
     """Train ``ingredients`` models of ``recipe`` in worker processes and write a run directory.
 
     This is the library call behind ``python -m ladle.train``; it returns when all have finished.
@@ -145,8 +147,12 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     ``log``: metric loggers besides the run's ``metrics.csv`` (``tensorboard``; :mod:`ladle.train.curves`).
     ``data``: your own PyG graph (``x``, ``y``, ``edge_index``, train/val/test masks) instead of the recipe's
     dataset, prepared into shards as a named dataset is; ``recipe.dataset`` then only names it.
+    ``model``: your own model, a class (or picklable factory) called as ``model(in_channels, num_classes)`` whose
+    ``forward(x, edge_index)`` gives logits (:mod:`ladle.nn.custom`); the recipe's model becomes ``custom``.
     """
-    spec = RunSpec(recipe, ingredients, init, baseline, save_every, tuple(log))
+    if model is not None:
+        recipe = recipe.replace(model="custom")
+    spec = RunSpec(recipe, ingredients, init, baseline, save_every, tuple(log), model)
     check_loggers(spec.log)
     check_sampler(recipe.view)
     chosen_methods(recipe.soup.method)  # a typo in the soup section fails now, not after training
@@ -163,7 +169,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     check_free(run_path)
     check_same_run(run_path, spec.definition())
     shards = prepare_shards(recipe, ingredients, data_root, graph=given)  # once, cached; bad view settings fail here
-    check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"])
+    check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"], model)
     make_run_dir(run_path)
 
     with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
@@ -171,7 +177,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         files = RunDir(run_path)
         graph = shards.meta["graph"]
         torch.manual_seed(recipe.seed)
-        save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"]).state_dict())
+        save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"], model).state_dict())
         partition = shards.partition()
         if partition is not None:
             save_state(files.partition, {"parts": partition})
@@ -204,21 +210,24 @@ def _check_creatable(run_path: Path) -> None:
 
 def resume_run(run_dir: str | Path | None = None, workers: int | None = None, data_root: str | Path | None = None,
                backend: str | None = None, ray_options: dict[str, Any] | None = None,
-               allow_other_data: bool = False, data: Data | None = None) -> RunResult:
+               allow_other_data: bool = False, data: Data | None = None,
+               model: ModelFactory | None = None) -> RunResult:
     """Finish what an interrupted run left unfinished: ingredients without a finished checkpoint (one that
     loads with the keys and shapes of ``run.json``'s recipe) restart from their last training-state file
     (or from scratch), bitwise as if never stopped. The data must be the run's (``run.json`` records its
-    identity; ``data``: the graph it was given in memory), unless ``allow_other_data``."""
+    identity; ``data``: the graph it was given in memory), unless ``allow_other_data``. ``model``: the class a
+    run of your own model was started with."""
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_run(run_path)
-        spec = RunSpec.from_json(run_meta)
+        check_model_class(run_meta["recipe"].get("model"), model)
+        spec = RunSpec.from_json(run_meta, model)
         given = None if data is None else user_graph(data, spec.recipe.features)
         check_same_data(run_meta, run_path, data_root, allow_other_data, given)
         check_loggers(spec.log)
         backend = backend or run_meta.get("backend", "local")
         tasks = spec.tasks(run_path)
-        expected = expected_shapes(run_meta)  # a finished checkpoint that does not load is trained again
+        expected = expected_shapes(run_meta, model)  # a finished checkpoint that does not load is trained again
         todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
         log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
@@ -254,7 +263,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
         return run_ray(batch, recipe, data_root, device, ray_options or {})
 
     results, failed = {}, {}
-    if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta)):  # once, before the branches
+    if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):  # once, before the branches
         trunk = spec.trunk_task(run_path)
         results, failed = run([trunk], 1)
         if failed:

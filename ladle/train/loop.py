@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
@@ -40,7 +40,7 @@ from ladle.core.weights import running_mean
 from ladle.graph.inputs import GraphInputs, graph_inputs
 from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import IngredientView, build_view
-from ladle.nn.models import GNN, build_model
+from ladle.nn.models import build_model
 from ladle.nn.scoring import Metrics, evaluate
 from ladle.train.finish import epoch_loop, finish
 from ladle.train.task import INGREDIENT, IngredientTask
@@ -106,7 +106,7 @@ class BatchInputs:
         return self._static
 
 
-def train_epoch(model: GNN, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
                 inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> tuple[float, int]:
     """One epoch of Adam steps over ``view``'s batches; return the mean batch loss (NaN when no batch had
     a loss node) and the optimizer steps taken; a non-finite loss raises ``FloatingPointError``."""
@@ -207,7 +207,7 @@ class Progress(BestEpoch):
     steps: int = 0
 
 
-def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer, best_state: StateDict,
+def save_progress(task: IngredientTask, model: nn.Module, optimizer: torch.optim.Optimizer, best_state: StateDict,
                   progress: Progress) -> None:
     """One atomic file: weights, kept weights (best or mean), optimiser state, RNG states (CPU, and every
     GPU's when the model is on CUDA: dropout there draws from the GPU's generator), counters (header)."""
@@ -223,7 +223,7 @@ def save_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optim
     save_state(task.progress_path, tensors, header)
 
 
-def load_progress(task: IngredientTask, model: GNN, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
+def load_progress(task: IngredientTask, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Progress, StateDict]:
     """Restore what :func:`save_progress` wrote into ``model`` and ``optimizer``; return counters, kept weights.
 
     A damaged file, or one of another architecture, is a :class:`LadleError` (the caller restores what was
@@ -272,7 +272,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
         view = with_sampler(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
                                        else 1, recipe.seed, partition))
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
-    model = build_model(recipe.replace(dropout=settings.dropout), data.num_features, data.num_classes)
+    model = build_model(recipe.replace(dropout=settings.dropout), data.num_features, data.num_classes, task.model_class)
     start_state = initial_state(recipe, task)
     if start_state is not None:
         model.load_state_dict(start_state)

@@ -9,6 +9,7 @@ from typing import Any
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, RunDir, ingredient_name
+from ladle.nn.custom import ModelFactory
 
 
 def check_ingredients(ingredients: int) -> None:
@@ -41,6 +42,7 @@ class IngredientTask:
     save_every: int = SAVE_EVERY  # epochs between resumable progress checkpoints (0: never)
     log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
     role: str = ""  # empty: ``ingredient`` when ``k`` is given, else ``baseline``
+    model_class: ModelFactory | None = None  # your own model's class (``model: custom``), pickled to the worker
 
     def __post_init__(self) -> None:
         if not self.role:
@@ -71,7 +73,8 @@ class IngredientTask:
 class RunSpec:
     """What a run trains, as its ``run.json`` records it: the recipe, ``ingredients`` (K), their ``init``
     (one shared draw or one each), whether a full-graph ``baseline`` is trained, how often training state is
-    saved (``save_every`` epochs, 0: never) and the curve loggers besides the CSV (``log``)."""
+    saved (``save_every`` epochs, 0: never) and the curve loggers besides the CSV (``log``). ``model_class``, the
+    class of your own model, is given again at every command: ``run.json`` says ``model: custom``, never which."""
 
     recipe: Recipe
     ingredients: int
@@ -79,6 +82,7 @@ class RunSpec:
     baseline: bool = False
     save_every: int = SAVE_EVERY
     log: tuple[str, ...] = ()
+    model_class: ModelFactory | None = None
 
     def __post_init__(self) -> None:
         check_ingredients(self.ingredients)
@@ -99,23 +103,25 @@ class RunSpec:
         return self.definition() | {"save_every": self.save_every, "log": list(self.log)}
 
     @classmethod
-    def from_json(cls, run: dict[str, Any]) -> RunSpec:
-        """The spec a ``run.json`` records."""
+    def from_json(cls, run: dict[str, Any], model_class: ModelFactory | None = None) -> RunSpec:
+        """The spec a ``run.json`` records (and the class of its own model, when it has one)."""
         return cls(recipe_from_dict(run["recipe"]), int(run["ingredients"]), run["init"], bool(run.get("baseline")),
-                   int(run.get("save_every", SAVE_EVERY)), tuple(run.get("log", ())))
+                   int(run.get("save_every", SAVE_EVERY)), tuple(run.get("log", ())), model_class)
+
+    def task(self, k: int | None, run_dir: Path, role: str = "", init: str = "shared") -> IngredientTask:
+        """One task of this run: ingredient ``k``, or the ``role`` of a reference model."""
+        return IngredientTask(k, self.ingredients, run_dir, init, self.save_every, self.log, role, self.model_class)
 
     def trunk_task(self, run_dir: Path) -> IngredientTask:
         """The trunk: trained once from the shared init, before the ingredients that branch from it."""
-        return IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log, TRUNK)
+        return self.task(None, run_dir, TRUNK)
 
     def tasks(self, run_dir: Path) -> list[IngredientTask]:
         """What trains after the trunk: ingredients ``0..K-1``, the trunk continued when the recipe has a trunk,
         then the baseline (shared init) when the run has one."""
-        tasks = [IngredientTask(k, self.ingredients, run_dir, self.init, self.save_every, self.log)
-                 for k in range(self.ingredients)]
+        tasks = [self.task(k, run_dir, init=self.init) for k in range(self.ingredients)]
         if self.recipe.trunk.epochs:
-            tasks.append(IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log,
-                                        CONTINUED))
+            tasks.append(self.task(None, run_dir, CONTINUED))
         if self.baseline:
-            tasks.append(IngredientTask(None, self.ingredients, run_dir, "shared", self.save_every, self.log))
+            tasks.append(self.task(None, run_dir))
         return tasks
