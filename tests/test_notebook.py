@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -57,7 +58,7 @@ def trained(data_root: Path, kernels: Path, tmp_path_factory: pytest.TempPathFac
 
 def test_notebook_trains_soups_and_saves_its_figures(trained: tuple[Path, str]) -> None:
     out, text = trained
-    runs = [path for path in (out / "checkpoints").iterdir() if path.name != "latest"]
+    runs = [path for path in (out / "checkpoints").iterdir() if path.name not in ("latest", "my-gnn")]
     assert len(runs) == 1 and (runs[0] / "report.json").is_file()
     assert len(list(runs[0].glob("ingredient-*.safetensors"))) == 3
     for name in FIGURES:
@@ -66,6 +67,11 @@ def test_notebook_trains_soups_and_saves_its_figures(trained: tuple[Path, str]) 
     assert not (out / "figures" / "accuracy-bytes.png").exists()
     assert "soup-gis" in text
     assert "no variable-rate" in text  # the varrate section says how to get a result, and skips
+    # your own GNN (notebooks/my_gnn.py): a second run, souped, its chosen soup loaded back as that class
+    assert len([path for path in (out / "checkpoints" / "my-gnn").iterdir() if path.name != "latest"]) == 1
+    own = re.search(r"loaded MeanGNN, soup-\w+: test accuracy (0\.\d{4}), the report's (0\.\d{4})", text)
+    assert own is not None and own[1] == own[2] and float(own[1]) > 0.7, text[-800:]
+    assert (out / "figures" / "your-model.png").stat().st_size > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ladle.varrate") is None, reason="no variable-rate mode")
