@@ -88,7 +88,7 @@ def _logits(model: torch.nn.Module, graph: Data, kind: str) -> Tensor:
         return model(graph_inputs(graph, kind))
 
 
-@pytest.mark.parametrize("kind,layers", [("gcn", 2), ("sage", 2), ("gcn", 3), ("gat", 2)])
+@pytest.mark.parametrize("kind,layers", [("gcn", 2), ("sage", 2), ("gcn", 3), ("gat", 2), ("gin", 2)])
 def test_a_halo_of_one_hop_per_layer_gives_owned_nodes_their_full_graph_logits(
         cora_data: Data, kind: str, layers: int, one_thread: None) -> None:
     torch.manual_seed(0)

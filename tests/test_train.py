@@ -33,7 +33,7 @@ def test_every_view_trains_a_gcn_above_its_floor(cora_data, tmp_path: Path, kind
     assert json.loads((tmp_path / "ingredient-01.json").read_text())["view"]["kind"] == kind
 
 
-@pytest.mark.parametrize("model, extra", [("sage", []), ("gat", ["lr=0.005", "dropout=0.6"])])
+@pytest.mark.parametrize("model, extra", [("sage", []), ("gat", ["lr=0.005", "dropout=0.6"]), ("gin", []), ("appnp", [])])
 def test_every_architecture_trains(cora_data, tmp_path: Path, model: str, extra: list[str]) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, f"model={model}", "view.kind=full", "epochs=60", *extra])
     meta = train_task(recipe, cora_data, IngredientTask(0, 1, tmp_path, "independent"))
