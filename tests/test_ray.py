@@ -86,6 +86,35 @@ def test_faults_retried_and_gathered(recipe: Recipe, data_root: Path, tmp_path: 
         assert len((run_dir / mode / "metrics.csv").read_text().splitlines()) == 1 + K * 5
 
 
+def test_metis_parts_read_their_shards_and_match_local(data_root: Path, tmp_path: Path, ray_address: str) -> None:
+    """A METIS ingredient reads its part shard, the partition the driver prepared: the local backend's weights."""
+    metis = load_recipe(None, [*OVERRIDES, "view.kind=metis"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ladle.train.launch.available_cores", lambda: 1)
+        local = train_ingredients(metis, K, workers=1, run_dir=tmp_path / "local", data_root=data_root)
+    run = _ray_run(metis, data_root, tmp_path / "ray", ray_address, gather=True)
+    _assert_same_weights(run, local)
+    assert {m["view"]["nodes"] for m in run.ingredients} == {m["view"]["nodes"] for m in local.ingredients}
+
+
+def test_a_node_without_the_drivers_shards_prepares_the_same(data_root: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards out of a node's reach are prepared in its own cache and must be the driver's, digest and all."""
+    from ladle.graph.shards import prepare_shards
+    from ladle.train.ray_tasks import ShardSource, node_shards
+
+    metis = load_recipe(None, [*OVERRIDES, "view.kind=metis"])
+    driver = ShardSource.of(prepare_shards(metis, K, data_root), K)
+    assert driver.digest
+    monkeypatch.setenv("LADLE_CACHE", str(tmp_path / "node-cache"))  # another node: an empty cache of its own
+    unreachable = ShardSource(str(tmp_path / "elsewhere"), driver.key, driver.digest, K)
+    shards = node_shards(unreachable, metis, str(data_root))
+    assert shards.path.is_relative_to(tmp_path / "node-cache") and shards.digest() == driver.digest
+    tampered = ShardSource(str(tmp_path / "elsewhere"), driver.key, "0" * 64, K)
+    with pytest.raises(LadleError, match=r"differ from the driver's .*put LADLE_CACHE on storage every node sees"):
+        node_shards(tampered, metis, str(data_root))
+
+
 def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:
     """A NaN loss fails its ingredient at once (a retry would fail the same way); the run records it."""
     exploding = load_recipe(None, [*OVERRIDES, "lr=1.0e+30"])
@@ -101,7 +130,7 @@ def test_cuda_needs_gpus(recipe: Recipe) -> None:
     from ladle.train.ray_tasks import run_ray
 
     with pytest.raises(LadleError, match="gpus-per-ingredient"):
-        run_ray([], recipe, None, "cuda", {"address": None, "cpus": 1, "gpus": 0, "gather": False})
+        run_ray([], recipe, None, None, "cuda", {"address": None, "cpus": 1, "gpus": 0, "gather": False})
 
 
 def test_cli_without_ray(data_root: Path, tmp_path: Path) -> None:

@@ -41,9 +41,8 @@ from ladle.core.rundir import (
 )
 from ladle.core.storage import read_json, save_state, write_json
 from ladle.graph.given import user_graph
-from ladle.graph.inputs import GraphInputs
 from ladle.graph.pyg_views import check_sampler
-from ladle.graph.shards import ShardSet, load_shard, prepare_shards
+from ladle.graph.shards import ShardSet, prepare_shards
 from ladle.nn.custom import ModelFactory, check_model_class
 from ladle.nn.models import build_model, check_fits
 from ladle.nn.saved import (
@@ -54,9 +53,9 @@ from ladle.nn.saved import (
 )
 from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
-from ladle.train.loop import train_task
 from ladle.train.ray_tasks import import_ray, run_ray
-from ladle.train.task import INGREDIENT, SAVE_EVERY, IngredientTask, RunSpec
+from ladle.train.task import SAVE_EVERY, IngredientTask, RunSpec
+from ladle.train.worker import ShardWorker
 
 log = logging.getLogger(__name__)
 
@@ -86,44 +85,14 @@ class RunResult:
         return "\n".join(lines)
 
 
-class _Worker:
-    """Per-process state of a pool worker: the run's shards, and the whole-graph shard once a task needs it."""
-
-    def __init__(self, recipe: Recipe, shards: str, threads: int, slot: int, device: str) -> None:
-        torch.set_num_threads(threads)
-        if device == "cuda" and torch.cuda.device_count() > 1:
-            device = f"cuda:{slot % torch.cuda.device_count()}"  # local workers take GPUs round-robin
-        self.recipe, self.slot, self.device = recipe, slot, device
-        self.shards = ShardSet.open(Path(shards))
-        self._graph: tuple[Data, GraphInputs] | None = None
-
-    def graph(self) -> tuple[Data, GraphInputs]:
-        """The whole graph (memory-mapped) and its inputs, loaded on first use and kept; sampled batches read
-        bag-of-words features from their stored non-zeros (:meth:`~ladle.graph.shards.Shard.feature_rows`)."""
-        if self._graph is None:
-            shard = load_shard(self.shards.graph())
-            shard.data.feature_rows = shard.feature_rows()
-            self._graph = shard.data, shard.inputs(self.recipe.model)
-        return self._graph
-
-    def run(self, task: IngredientTask) -> dict[str, Any]:
-        """Train ``task`` on its part shard alone (partition views) or on the whole graph."""
-        if task.role == INGREDIENT and self.shards.partitioned:
-            shard = load_shard(self.shards.part(task.k))
-            return train_task(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
-                                    self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
-        data, full_inputs = self.graph()
-        return train_task(self.recipe, data, task, full_inputs, self.slot, self.device)
-
-
-_worker: _Worker | None = None  # one per worker process, set by the pool initialiser
+_worker: ShardWorker | None = None  # one per worker process, set by the pool initialiser
 
 
 def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
     global _worker
     die_with_parent()  # and, until this process ends, the run directory stays owned:
     hold_as_worker(Path(shards).parent)
-    _worker = _Worker(recipe_from_dict(recipe_dict), shards, threads, slots.get(), device)
+    _worker = ShardWorker(recipe_from_dict(recipe_dict), ShardSet.open(Path(shards)), threads, slots.get(), device)
 
 
 def _run_task(task: IngredientTask) -> dict[str, Any]:
@@ -260,7 +229,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
         if backend == "local":
             return run_local(batch, recipe, files.shards, processes, device,
                              threads or max(1, available_cores() // workers))
-        return run_ray(batch, recipe, data_root, device, ray_options or {})
+        return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
 
     results, failed = {}, {}
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):  # once, before the branches

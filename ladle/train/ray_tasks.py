@@ -1,11 +1,13 @@
 """The Ray backend: each ingredient is one Ray task on a cluster (or on a local one started for the run).
 
-Tasks never talk to each other, exactly as on the local backend. A Ray worker process loads the
-dataset once and keeps it for the next ingredient it is given, uses ``--cpus-per-ingredient``
-threads, and calls :func:`ladle.train.loop.train_task` like a local worker does, so the same seed
-gives bit-identical weights on both backends. (Not yet for ``view.kind=metis``/``cluster``: METIS draws
-from libc's process-wide ``rand()``, which Ray's own threads also call, so a partition computed inside
-a Ray worker can differ from run to run.)
+Tasks never talk to each other, exactly as on the local backend. A Ray task trains from the run's prepared
+shards through the local workers' own step (:class:`~ladle.train.worker.ShardWorker`): a partition ingredient
+memory-maps its part shard only, anything else the whole-graph shard, kept by the Ray worker process for the
+next task; it uses ``--cpus-per-ingredient`` threads, so the same seed gives bit-identical weights on both
+backends. Where the shards come from on a node: the driver's cache folder when the node sees it (shared
+storage, e.g. ``LADLE_CACHE`` on NFS); else the node prepares the same inputs into its own cache (its
+``--data-root`` must hold the same dataset files, same sizes and mtimes) in a fresh process, and the result is
+checked against the driver's: the same cache key and the same partition digest, or the task fails naming both.
 
 Where the weights go: by default each task writes its checkpoint into the run directory itself,
 which must then be on storage every node sees. With ``gather`` the task trains in a temporary folder
@@ -24,27 +26,29 @@ visible to the workers.
 """
 from __future__ import annotations
 
+import concurrent.futures as futures
+import contextlib
 import dataclasses
-import functools
 import logging
+import multiprocessing as mp
 import os
+import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe
+from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
-from ladle.core.storage import atomic_open, write_json
-from ladle.graph.datasets import load_dataset
-from ladle.graph.inputs import GraphInputs, graph_inputs
-from ladle.train.loop import train_task
+from ladle.core.storage import atomic_open, save_state, write_json
+from ladle.graph.shards import ShardSet, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask
+from ladle.train.worker import ShardWorker
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,56 @@ def import_ray() -> Any:
     return ray
 
 
-@functools.lru_cache(maxsize=1)
-def _worker_graph(dataset: str, split: int, features: str, data_root: str | None,
-                  model: str) -> tuple[Data, GraphInputs]:
-    """The dataset and its full-graph inputs, loaded once per Ray worker process (Ray reuses workers)."""
-    data = load_dataset(dataset, data_root, split, features)
-    return data, graph_inputs(data, model)
+@dataclass(frozen=True)
+class ShardSource:
+    """The driver's shards of the run, as a node finds or rebuilds them: their folder, cache key, partition
+    digest and the number of ingredients they were prepared for."""
+
+    path: str
+    key: str
+    digest: str
+    ingredients: int
+
+    @classmethod
+    def of(cls, shards: ShardSet, ingredients: int) -> ShardSource:
+        return cls(str(shards.path.resolve()), shards.meta["key"], shards.digest(), ingredients)
+
+
+def _prepare(recipe: dict[str, Any], ingredients: int, data_root: str | None) -> str:
+    """Prepare a run's shards into this node's cache (in a process of its own); their folder."""
+    return str(prepare_shards(recipe_from_dict(recipe), ingredients, data_root).path)
+
+
+def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> ShardSet:
+    """The run's shards on this node: the driver's folder when it is reachable here, else the same inputs prepared
+    into this node's cache, checked to be the driver's (cache key and partition digest)."""
+    with contextlib.suppress(LadleError, OSError):
+        shards = ShardSet.open(Path(source.path))
+        if shards.meta.get("key") == source.key and shards.complete():
+            return shards
+    log.info("the driver's shards %s are not reachable here; preparing them on this node", source.path)
+    # a fresh process: METIS draws from the process-wide rand(), which Ray's own threads also call
+    with futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        shards = ShardSet.open(Path(pool.submit(_prepare, recipe.to_dict(), source.ingredients, data_root).result()))
+    if shards.meta["key"] != source.key or shards.digest() != source.digest:
+        raise LadleError(f"the shards prepared on {socket.gethostname()} ({shards.meta['key']}, partition "
+                         f"{shards.digest()[:12] or 'none'}) differ from the driver's ({source.key}, "
+                         f"{source.digest[:12] or 'none'}): give every node the same dataset files (same sizes and "
+                         "mtimes) or put LADLE_CACHE on storage every node sees")
+    return shards
+
+
+_workers: dict[tuple[str, int, str], ShardWorker] = {}  # per Ray worker process: Ray reuses processes for tasks
+
+
+def _node_worker(source: ShardSource, recipe: Recipe, data_root: str | None, threads: int,
+                 device: str) -> ShardWorker:
+    key = (source.key, threads, device)
+    if key not in _workers:
+        _workers.clear()  # one run's shards at a time
+        _workers[key] = ShardWorker(recipe, node_shards(source, recipe, data_root), threads, 0, device)
+    torch.set_num_threads(threads)
+    return _workers[key]
 
 
 def _parse_fault(spec: str | None) -> tuple[str, str, Path] | None:
@@ -96,30 +144,33 @@ def _maybe_fault(fault: tuple[str, str, Path] | None, name: str) -> None:
     raise RuntimeError(f"{name}: injected fault on the first attempt ({FAULT_ENV})")
 
 
-def _train_task(recipe: Recipe, task: IngredientTask, data_root: str | None, device: str, threads: int,
-                init_bytes: bytes | None, trunk_bytes: bytes | None, gather: bool,
+def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_root: str | None, device: str,
+                threads: int, init_bytes: bytes | None, trunk_bytes: bytes | None, gather: bool,
                 fault: tuple[str, str, Path] | None) -> tuple[dict[str, Any], dict[str, bytes] | None]:
-    """Body of one Ray task: train ``task`` and return (metadata, when gathering the files it wrote by path
-    relative to the run directory; the shared init and the trunk then come as bytes too).
+    """Body of one Ray task: train ``task`` from the run's shards (:func:`node_shards`) and return (metadata,
+    when gathering the files it wrote by path relative to the run directory; the shared init and the trunk
+    then come as bytes too, the partition from the shards).
 
     A ``FloatingPointError`` or ``LadleError`` (e.g. no dataset under ``data_root`` on this node) comes
     back as ``{"error": ...}`` instead of raising, so Ray does not retry what would fail again; any other
     exception raises and is retried.
     """
     _maybe_fault(fault, task.name)
-    torch.set_num_threads(threads)
     try:
-        data, full_inputs = _worker_graph(recipe.dataset, recipe.split, recipe.features, data_root, recipe.model)
+        worker = _node_worker(source, recipe, data_root, threads, device)
         if not gather:
-            return train_task(recipe, data, task, full_inputs, 0, device), None
+            return worker.run(task), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
             local = RunDir(Path(scratch))
+            inputs = {local.init, local.partition, local.weights(TRUNK)}
             if init_bytes is not None:
                 local.init.write_bytes(init_bytes)
             if trunk_bytes is not None:
                 local.weights(TRUNK).write_bytes(trunk_bytes)
-            inputs = {local.init, local.weights(TRUNK)} if trunk_bytes is not None else {local.init}
-            meta = train_task(recipe, data, dataclasses.replace(task, run_dir=local.path), full_inputs, 0, device)
+            partition = worker.shards.partition()
+            if partition is not None:
+                save_state(local.partition, {"parts": partition})
+            meta = worker.run(dataclasses.replace(task, run_dir=local.path))
             return meta, {str(path.relative_to(local.path)): path.read_bytes()
                           for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
     except (FloatingPointError, LadleError) as error:
@@ -168,9 +219,10 @@ def _failure_message(ray: Any, error: Exception) -> str:
     return f"{type(error).__name__}: {first} (after {MAX_RETRIES} retries)"
 
 
-def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, device: str,
+def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_root: str | None, device: str,
             options: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Run each ingredient as a Ray task; return (metadata by task name, error message by name of failed tasks).
+    """Run each ingredient as a Ray task on the run's ``shards`` (:func:`node_shards`); return (metadata by task
+    name, error message by name of failed tasks).
 
     ``options``: ``address`` (None: start a local cluster), ``cpus`` and ``gpus`` per ingredient, and
     ``gather`` (return weights to the driver instead of writing to shared storage).
@@ -198,8 +250,9 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, data_root: str | None, 
         remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
                                                  retry_exceptions=True)
         threads = max(1, int(cpus))
+        source = ShardSource.of(shards, tasks[0].num_ingredients) if tasks else None
         pending = {
-            remote.remote(recipe, task, data_root, device, threads,
+            remote.remote(recipe, task, source, data_root, device, threads,
                           init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
             for task in tasks
         }
