@@ -23,9 +23,10 @@ Bytes are every payload byte sent, summed over ranks, collectives counted as rin
 (``ladle.core.collectives``): training halo, gradient all-reduce, the exact evaluation halo (every ``--eval-every``
 epochs), metric reductions and setup.
 
-Run specs (``--runs``) are ``schedule[:rate][/compressor]``: ``full``, ``none``, ``fixed:16``,
+Run specs (``--runs``) are ``schedule[:rate][/compressor][+ef][+select=F]``: ``full``, ``none``, ``fixed:16``,
 ``linear`` (``--rate-max`` to 1 over ``--rate-fraction`` of the epochs, then 1), ``step``,
-``linear/int8``. The soup's bytes are the final gather of K models (K x model size); it sends nothing
+``linear/int8``, ``adaptive`` (halves from ``--rate-max`` when the training loss stalls for ``--rate-patience``
+epochs), ``fixed:64+ef`` (error feedback), ``full+select=0.1`` (a tenth of the boundary rows a step). The soup's bytes are the final gather of K models (K x model size); it sends nothing
 while training.
 """
 from __future__ import annotations
@@ -89,15 +90,33 @@ def resolve_graph(dataset: str, partition: str | None) -> tuple[str, str, str]:
     return spec, partition or default, name
 
 
-def parse_run(spec: str, rate_max: float, fraction: float = 1.0) -> tuple[str, RateSchedule, str]:
-    """``fixed:16/int8`` -> (folder name, schedule, compressor)."""
-    body, _, compressor = spec.partition("/")
+def parse_run(spec: str, rate_max: float, fraction: float = 1.0, patience: int = 10) -> tuple[str, RateSchedule, str]:
+    """``fixed:16/int8+ef`` -> (folder name, schedule, compressor); ``patience``: adaptive's ``--rate-patience``."""
+    body, _, compressor = spec.split("+")[0].partition("/")
     kind, _, rate = body.partition(":")
     compressor = compressor or "truncate"
     if compressor not in COMPRESSORS:
         raise LadleError(f"run {spec!r}: unknown compressor {compressor!r}")
-    schedule = RateSchedule(kind, rate_max=float(rate) if rate else rate_max, rate_min=1.0, fraction=fraction)
-    return spec.replace(":", "-").replace("/", "-"), schedule, compressor
+    schedule = RateSchedule(kind, rate_max=float(rate) if rate else rate_max, rate_min=1.0, fraction=fraction,
+                            patience=patience)
+    return re.sub(r"[:/+=]", "-", spec), schedule, compressor
+
+
+def parse_memory(spec: str) -> tuple[bool, float]:
+    """A run spec's exchange memory: ``+ef`` (error feedback) and ``+select=F`` -> (error feedback, select)."""
+    feedback, select = False, 1.0
+    for modifier in spec.split("+")[1:]:
+        name, _, value = modifier.partition("=")
+        if name == "ef" and not value:
+            feedback = True
+        elif name == "select" and value:
+            try:
+                select = float(value)
+            except ValueError:
+                raise LadleError(f"run {spec!r}: select=F needs a number, got {value!r}") from None
+        else:
+            raise LadleError(f"run {spec!r}: unknown modifier +{modifier} (+ef or +select=F)")
+    return feedback, select
 
 
 def _bench_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any],
@@ -116,16 +135,18 @@ def _bench_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any],
 
 
 def run_schedules(recipe: Recipe, specs: list[str], workers: int, partition: str, rate_max: float, out: Path,
-                  data_root: str | None, eval_every: int = EVAL_EVERY, fraction: float = 1.0) -> list[dict[str, Any]]:
+                  data_root: str | None, eval_every: int = EVAL_EVERY, fraction: float = 1.0,
+                  patience: int = 10) -> list[dict[str, Any]]:
     """Train every run spec with ``workers`` ranks on this machine; return rank 0's metadata of each."""
     threads = max(1, available_cores() // workers)
     jobs = []
     for spec in specs:
-        name, schedule, compressor = parse_run(spec, rate_max, fraction)
+        name, schedule, compressor = parse_run(spec, rate_max, fraction, patience)
+        feedback, select = parse_memory(spec)
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        jobs.append((VarrateOptions(workers, partition, schedule, compressor, "cpu", 300.0, threads, eval_every),
-                     run_dir))
+        jobs.append((VarrateOptions(workers, partition, schedule, compressor, "cpu", 300.0, threads, eval_every,
+                                    error_feedback=feedback, select=select), run_dir))
     torch.multiprocessing.start_processes(_bench_rank, args=(workers, free_port(), recipe.to_dict(), jobs, data_root),
                                           nprocs=workers, start_method="spawn")
     return [json.loads((run_dir / "varrate.json").read_text()) for _, run_dir in jobs]
@@ -163,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-max", type=float, default=64.0, help="starting ratio of linear and step")
     parser.add_argument("--rate-fraction", type=float, default=1.0,
                         help="share of the epochs linear and step take to reach ratio 1 (default 1)")
+    parser.add_argument("--rate-patience", type=int, default=10,
+                        help="adaptive runs: epochs of stalled training loss before the ratio halves (default 10)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY,
                         help=f"epochs between exact evaluations (default {EVAL_EVERY})")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="run specs (see the module docstring)")
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.perf_counter()
     metas = run_schedules(recipe, args.runs, args.workers, args.partition, args.rate_max, out, args.data_root,
-                          args.eval_every, args.rate_fraction)
+                          args.eval_every, args.rate_fraction, args.rate_patience)
     schedule_seconds = time.perf_counter() - began
     entries = [report_entry(meta) for meta in metas]
     if args.soup:
@@ -212,18 +235,18 @@ def main(argv: list[str] | None = None) -> int:
                      "schedules_wall_seconds": schedule_seconds, "total_wall_seconds": time.perf_counter() - began})
 
     print(f"\n{title}  (bytes summed over ranks, ring convention; MB/ep = per epoch, MB = whole run)")
-    print(f"{'run':<26}{'test acc':>9}{'halo MB/ep':>11}{'all-red MB/ep':>14}{'eval MB/ep':>11}{'total MB':>10}"
+    print(f"{'run':<46}{'test acc':>9}{'halo MB/ep':>11}{'all-red MB/ep':>14}{'eval MB/ep':>11}{'total MB':>10}"
           f"{'step s/ep':>10}{'eval s':>8}")
     for entry in entries:
         epochs = max(1, entry["epochs"])
         per_epoch = [0.0, 0.0, 0.0] if entry["name"].startswith("soup") else [
             entry[key] / epochs / 1e6 for key in ("halo_bytes", "allreduce_bytes", "eval_bytes")]
-        print(f"{entry['name']:<26}{entry['test_acc']:>9.4f}{per_epoch[0]:>11.2f}{per_epoch[1]:>14.2f}"
+        print(f"{entry['name']:<46}{entry['test_acc']:>9.4f}{per_epoch[0]:>11.2f}{per_epoch[1]:>14.2f}"
               f"{per_epoch[2]:>11.2f}{entry['bytes'] / 1e6:>10.2f}{entry['step_seconds']:>10.3f}"
               f"{entry.get('eval_seconds') or 0:>8.3f}")
     by_name: dict[str, dict[str, Any]] = {}  # the first run of each schedule and compressor
     for meta in metas:
-        if meta["schedule"]["kind"] != "fixed":
+        if meta["schedule"]["kind"] != "fixed" and not meta["error_feedback"] and meta["select"] == 1:
             key = meta["schedule"]["kind"] + ("" if meta["compressor"] == "truncate" else "/" + meta["compressor"])
             by_name.setdefault(key, meta)
     if "full" in by_name and "linear" in by_name:

@@ -10,7 +10,10 @@ feature gradients of the halo rows travel back the same way; parameter gradients
 every rank holds one model, whose state dict is ladle's :class:`~ladle.nn.models.GNN`.
 
 ``r_t`` follows a schedule, heavy compression early and light late (``linear``, ``step``), or is fixed;
-``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo). Every
+``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo); ``adaptive``
+halves it whenever the training loss stalls. Training exchanges may remember across steps
+(:mod:`~ladle.varrate.memory`): error feedback carries what compression lost into the next step, and a
+selective exchange sends a random fraction of the rows while receivers reuse their last copy of the rest. Every
 payload byte a rank puts on the wire is counted, collectives as ring algorithms send them
 (:mod:`ladle.core.collectives`; the gradient all-reduce ``2 (K - 1) / K`` model sizes a rank, a step): forward
 halo, backward halo, gradient all-reduce, the exact evaluation halo (every ``eval_every`` epochs),
@@ -18,7 +21,7 @@ the per-epoch metric reduction and the setup (partition broadcast, size table). 
 for halos, ``all_reduce`` for gradients and metrics.
 
 Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,
-exchange, byte accounting), :mod:`~ladle.varrate.trainer` (one rank's model and loop),
+exchange, byte accounting), :mod:`~ladle.varrate.memory` (error feedback, selective exchange), :mod:`~ladle.varrate.trainer` (one rank's model and loop),
 :mod:`~ladle.varrate.ranks` (process group, spawned or torchrun ranks), :mod:`~ladle.varrate.cli`.
 The report (accuracy against bytes) is written by :func:`ladle.varrate.report.write_bytes_report`.
 """
@@ -31,6 +34,7 @@ from ladle.varrate.compression import (
     Compressor,
     Int8,
     RandomMask,
+    RateController,
     RateSchedule,
     Truncate,
     build_compressor,
@@ -46,6 +50,7 @@ from ladle.varrate.halo import (
     exchange_key,
     partition_nodes,
 )
+from ladle.varrate.memory import ErrorFeedback, Route, SelectiveExchange
 from ladle.varrate.ranks import (
     check_inputs,
     free_port,
@@ -69,8 +74,9 @@ from ladle.varrate.trainer import (
 )
 
 __all__ = [
-    "COMPRESSORS", "EVAL_EVERY", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "HaloExchange", "HaloPlan", "Int8", "PeerFailure",
-    "RandomMask", "RankData", "RateSchedule", "Traffic", "Truncate", "VarrateOptions", "allreduce_gradients",
+    "COMPRESSORS", "EVAL_EVERY", "SCHEDULES", "SUPPORTED_MODELS", "Compressor", "ErrorFeedback", "HaloExchange",
+    "HaloPlan", "Int8", "PeerFailure", "RandomMask", "RankData", "RateController", "RateSchedule", "Route",
+    "SelectiveExchange", "Traffic", "Truncate", "VarrateOptions", "allreduce_gradients",
     "build_compressor", "build_parser", "build_plan", "check_inputs", "check_model", "collective", "exchange_key",
     "free_port", "init_group", "kept_columns", "load_rank_data", "main", "partition_forward", "partition_loss",
     "partition_nodes", "rank_device", "run_rank", "run_spawned", "run_torchrun", "train_partition",

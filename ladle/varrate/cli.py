@@ -37,12 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compress", default="truncate", choices=tuple(COMPRESSORS),
                         help="compression operator (default truncate: the first d/r columns)")
     parser.add_argument("--rate-max", type=float, default=64.0,
-                        help="ratio at the start (linear, step) or throughout (fixed); default 64")
-    parser.add_argument("--rate-min", type=float, default=1.0, help="ratio at the end (linear, step); default 1")
+                        help="ratio at the start (linear, step, adaptive) or throughout (fixed); default 64")
+    parser.add_argument("--rate-min", type=float, default=1.0,
+                        help="ratio at the end (linear, step, adaptive); default 1")
     parser.add_argument("--rate-fraction", type=float, default=1.0,
                         help="fraction of the epochs over which linear/step reach --rate-min (default 1)")
     parser.add_argument("--rate-steps", help="step schedule ratios, comma-separated (default: 4 geometric steps "
                         "from --rate-max to --rate-min, e.g. 64,16,4,1)")
+    parser.add_argument("--rate-patience", type=int, default=10,
+                        help="adaptive: halve the ratio after this many epochs without the training loss improving "
+                             "(default 10)")
+    parser.add_argument("--rate-tolerance", type=float, default=0.01,
+                        help="adaptive: the fall of the training loss that counts as improving, as a share of the "
+                             "first epoch's loss (default 0.01)")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="senders add what compression lost in the last step to the rows they compress next "
+                             "(--compress mask, then unscaled, or int8)")
+    parser.add_argument("--select", type=float, default=1.0, metavar="FRACTION",
+                        help="training exchanges send this random fraction of each peer's boundary rows (all rows at "
+                             "a layer's first exchange); the receiver reuses its last copy of the others (default 1)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY,
                         help=f"epochs between exact (uncompressed) evaluations, and the last epoch (default {EVAL_EVERY})")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/varrate-<schedule>-<time>)")
@@ -86,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0 or args.threads < 0:
         raise LadleError("--timeout must be > 0 and --threads >= 0")
     schedule = RateSchedule(args.schedule, args.rate_max, args.rate_min, args.rate_fraction,
-                            _parse_steps(args.rate_steps))
+                            _parse_steps(args.rate_steps), args.rate_patience, args.rate_tolerance)
     build_compressor(args.compress)
     check_loggers(args.log)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if ranks is None:
         ranks = 0 if under_torchrun else 4
     options = VarrateOptions(ranks, args.partition, schedule, args.compress, args.device, args.timeout,
-                             args.threads, args.eval_every, tuple(args.log))
+                             args.threads, args.eval_every, tuple(args.log), args.error_feedback, args.select)
     if under_torchrun:
         meta = run_torchrun(recipe, options, args.run_dir, args.data_root)
     else:

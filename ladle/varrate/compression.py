@@ -1,8 +1,10 @@
-"""Varrate's compression: operators that shrink the rows a rank sends, and the ratio schedule over training."""
+"""Varrate's compression: operators that shrink the rows a rank sends, and the ratio over training (a schedule
+fixed in advance, or ``adaptive``: driven by the training loss)."""
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -11,7 +13,7 @@ from torch import Tensor
 
 from ladle.core.errors import LadleError
 
-SCHEDULES = ("full", "fixed", "linear", "step", "none")
+SCHEDULES = ("full", "fixed", "linear", "step", "adaptive", "none")
 
 
 def kept_columns(width: int, rate: float) -> int:
@@ -40,6 +42,10 @@ class Compressor(ABC):
     def decode(self, payload: Tensor, width: int, rate: float, key: int) -> Tensor:
         """Float rows of width ``width`` from a payload :meth:`encode` made with the same ``rate``, ``key``."""
 
+    def sendable_columns(self, width: int, rate: float) -> int:
+        """``n``: payloads at ``(width, rate)`` carry only the first ``n`` columns, whatever the key (all by default)."""
+        return width
+
 
 class Truncate(Compressor):
     """The authors' scheme: send the first ``int(d / r)`` columns; the receiver pads the rest with zeros.
@@ -53,6 +59,9 @@ class Truncate(Compressor):
     def payload_columns(self, width: int, rate: float) -> int:
         return kept_columns(width, rate)
 
+    def sendable_columns(self, width: int, rate: float) -> int:
+        return kept_columns(width, rate)
+
     def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
         return rows[:, : kept_columns(rows.size(1), rate)]
 
@@ -64,10 +73,14 @@ class RandomMask(Compressor):
     """Send ``int(d / r)`` random columns, the same for every row and both ends (drawn from ``key``).
 
     The receiver scatters them back scaled by ``d / kept``, so the halo is unbiased over keys; like
-    :class:`Truncate` it is linear and its backward is the exact gradient.
+    :class:`Truncate` it is linear and its backward is the exact gradient. ``scaled=False`` leaves the scale
+    out (biased, but contractive: what error feedback needs, see :func:`build_compressor`).
     """
 
     name = "mask"
+
+    def __init__(self, scaled: bool = True) -> None:
+        self.scaled = scaled
 
     def payload_columns(self, width: int, rate: float) -> int:
         return kept_columns(width, rate)
@@ -90,7 +103,8 @@ class RandomMask(Compressor):
         if payload.size(1) == width:
             return payload
         out = payload.new_zeros(payload.size(0), width)
-        out[:, self.columns(width, rate, key).to(payload.device)] = payload * (width / payload.size(1))
+        scale = width / payload.size(1) if self.scaled else 1.0
+        out[:, self.columns(width, rate, key).to(payload.device)] = payload * scale
         return out
 
 
@@ -113,6 +127,9 @@ class Int8(Compressor):
     def payload_columns(self, width: int, rate: float) -> int:
         return width if rate <= 1 else self.kept(width, rate) + 4
 
+    def sendable_columns(self, width: int, rate: float) -> int:
+        return width if rate <= 1 else self.kept(width, rate)
+
     def encode(self, rows: Tensor, rate: float, key: int) -> Tensor:
         if rate <= 1:
             return rows
@@ -133,11 +150,16 @@ class Int8(Compressor):
 COMPRESSORS: dict[str, type[Compressor]] = {c.name: c for c in (Truncate, RandomMask, Int8)}
 
 
-def build_compressor(name: str) -> Compressor:
-    """The compressor called ``name`` (``truncate``, ``mask`` or ``int8``)."""
+def build_compressor(name: str, error_feedback: bool = False) -> Compressor:
+    """The compressor called ``name`` (``truncate``, ``mask`` or ``int8``).
+
+    Under ``error_feedback`` the mask is unscaled: error feedback needs ``|x - C(x)| < |x|``, and the
+    ``d / kept`` scale makes the kept columns' error ``(d / kept - 1)`` times the value, so residuals would grow.
+    (Truncation offers error feedback nothing: see :class:`~ladle.varrate.memory.ErrorFeedback`.)
+    """
     if name not in COMPRESSORS:
         raise LadleError(f"unknown compressor {name!r} (one of: {', '.join(COMPRESSORS)})")
-    return COMPRESSORS[name]()
+    return RandomMask(scaled=False) if name == "mask" and error_feedback else COMPRESSORS[name]()
 
 
 @dataclass(frozen=True)
@@ -148,7 +170,8 @@ class RateSchedule:
     ``rate_min`` at epoch ``fraction * (epochs - 1)`` (the last epoch when ``fraction`` is 1), then ``rate_min``.
     ``step``: the ``steps`` ratios in turn, each for an equal share of ``fraction`` of the epochs, the last one
     to the end and at least from that same epoch on (default: four geometric steps from ``rate_max`` to
-    ``rate_min``, e.g. 64, 16, 4, 1).
+    ``rate_min``, e.g. 64, 16, 4, 1). ``adaptive``: ``rate_max``, halved (down to ``rate_min``) whenever the
+    training loss has not improved by ``tolerance`` x its first value for ``patience`` epochs (:class:`RateController`).
     """
 
     kind: str = "linear"
@@ -156,6 +179,8 @@ class RateSchedule:
     rate_min: float = 1.0
     fraction: float = 1.0
     steps: tuple[float, ...] = ()
+    patience: int = 10
+    tolerance: float = 0.01
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
@@ -166,6 +191,10 @@ class RateSchedule:
             raise LadleError(f"--rate-fraction must be in (0, 1]; got {self.fraction}")
         if any(rate < 1 for rate in self.steps):
             raise LadleError(f"--rate-steps must all be >= 1; got {list(self.steps)}")
+        if self.patience < 1:
+            raise LadleError(f"--rate-patience must be >= 1 epoch; got {self.patience}")
+        if not 0 <= self.tolerance < 1:
+            raise LadleError(f"--rate-tolerance must be in [0, 1); got {self.tolerance}")
 
     def levels(self) -> tuple[float, ...]:
         """The plateaus of the ``step`` schedule."""
@@ -174,23 +203,79 @@ class RateSchedule:
         ratio = self.rate_min / self.rate_max
         return tuple(self.rate_max * ratio ** (i / 3) for i in range(4))
 
-    def rate(self, epoch: int, epochs: int) -> float | None:
-        """The ratio of ``epoch`` (0-based) of ``epochs``."""
+    def final(self) -> float | None:
+        """The ratio the schedule ends at (``None`` for ``none``)."""
         if self.kind == "none":
             return None
         if self.kind == "full":
             return 1.0
         if self.kind == "fixed":
             return self.rate_max
+        return self.levels()[-1] if self.kind == "step" else self.rate_min
+
+    def rate(self, epoch: int, epochs: int) -> float | None:
+        """The ratio of ``epoch`` (0-based) of ``epochs``; ``adaptive`` has none in advance
+        (:class:`RateController`)."""
+        if self.kind == "adaptive":
+            raise ValueError("the adaptive ratio follows the training loss: use RateController")
+        if self.kind in ("none", "full", "fixed"):
+            return self.final()
         end = self.fraction * (epochs - 1)  # the epoch from which the schedule is at its last ratio
-        if self.kind == "linear":
-            progress = 1.0 if epoch >= end else epoch / end
-            return self.rate_max + (self.rate_min - self.rate_max) * progress
-        levels = self.levels()
         if epoch >= end:
-            return levels[-1]
+            return self.final()
+        if self.kind == "linear":
+            return self.rate_max + (self.rate_min - self.rate_max) * epoch / end
+        levels = self.levels()
         return levels[min(len(levels) - 1, int(epoch / (self.fraction * epochs) * len(levels)))]
 
     def describe(self) -> dict[str, Any]:
         """JSON-able settings."""
         return {**asdict(self), "steps": list(self.levels()) if self.kind == "step" else []}
+
+
+@dataclass
+class RateController:
+    """The ratio of each epoch of one run, and since when it is final (for early stopping).
+
+    Fixed schedules read :meth:`RateSchedule.rate`. ``adaptive`` starts at ``rate_max``; :meth:`observe` takes each
+    epoch's training loss and halves the ratio (not below ``rate_min``) once ``patience`` epochs in a row have not
+    brought the loss ``tolerance`` x the first epoch's loss below its best; the best is kept across a halving.
+    The step is a share of the first loss, not of the current one: a training loss decays roughly like a power
+    law, so it keeps falling by a few percent of itself for hundreds of epochs and a relative test would
+    hardly ever fire. Fed the all-reduced loss, which every rank holds bit for bit, every rank takes the same ratios.
+    """
+
+    schedule: RateSchedule
+    epochs: int
+    current: float = field(init=False)
+    first: float | None = None
+    best: float = math.inf
+    stale: int = 0
+    settled: int | None = None  # the first epoch at the final ratio
+
+    def __post_init__(self) -> None:
+        self.current = self.schedule.rate_max
+
+    def rate(self, epoch: int) -> float | None:
+        """The ratio of ``epoch``; call once per epoch, in order."""
+        rate = self.current if self.schedule.kind == "adaptive" else self.schedule.rate(epoch, self.epochs)
+        if self.settled is None and rate == self.schedule.final():
+            self.settled = epoch
+        return rate
+
+    def observe(self, loss: float) -> None:
+        """Take the epoch's training loss (``adaptive`` only; other schedules ignore it)."""
+        if self.schedule.kind != "adaptive":
+            return
+        if self.first is None:
+            self.first = loss
+        if loss < self.best - self.schedule.tolerance * abs(self.first):
+            self.best, self.stale = loss, 0
+            return
+        self.stale += 1
+        if self.stale >= self.schedule.patience and self.current > self.schedule.rate_min:
+            self.current, self.stale = max(self.schedule.rate_min, self.current / 2), 0
+
+    def epochs_final(self, epoch: int) -> int:
+        """Epochs up to ``epoch`` (inclusive) spent at the final ratio."""
+        return 0 if self.settled is None else epoch + 1 - self.settled

@@ -19,6 +19,7 @@ from ladle.graph.partition import stream_seed
 from ladle.graph.sparse import SparseMatrix
 from ladle.graph.views import build_view
 from ladle.varrate.compression import Compressor
+from ladle.varrate.memory import ErrorFeedback, Route, SelectiveExchange
 
 
 @dataclass(eq=False)
@@ -145,7 +146,9 @@ def exchange_key(seed: int, step: int, layer: int) -> int:
 class HaloExchange:
     """One step's halo exchanges: which plan, compressor and ratio, and where to count the bytes.
 
-    ``evaluating`` exchanges count as ``eval_halo`` (they have no backward).
+    ``evaluating`` exchanges count as ``eval_halo`` (they have no backward). A training exchange may carry
+    state across steps (:mod:`ladle.varrate.memory`): ``feedback`` (the sender's error-feedback residuals) and
+    ``selection`` (send a fraction of the rows, the receiver keeps the rest from before).
     """
 
     plan: HaloPlan
@@ -155,43 +158,79 @@ class HaloExchange:
     step: int
     traffic: Traffic
     evaluating: bool = False
+    feedback: ErrorFeedback | None = None
+    selection: SelectiveExchange | None = None
+
+    def __post_init__(self) -> None:
+        if self.evaluating and (self.feedback is not None or self.selection is not None):
+            raise ValueError("an evaluation exchange is exact: it takes no error feedback and no selection")
 
     def __call__(self, rows: Tensor, layer: int) -> Tensor:
         """The halo rows of layer ``layer`` given this rank's rows (differentiable)."""
         return _HaloFunction.apply(rows, self, layer)
 
-    def transfer(self, rows: Tensor, layer: int, send_counts: list[int], recv_counts: list[int]) -> tuple[Tensor, int]:
-        """Compress ``rows`` (grouped by peer, ``send_counts`` each), swap, decompress; return (rows, bytes sent)."""
-        key = exchange_key(self.seed, self.step, layer)
-        payload = self.compressor.encode(rows, self.rate, key).contiguous()
-        received = payload.new_empty((sum(recv_counts), self.compressor.payload_columns(rows.size(1), self.rate)))
+    def key(self, layer: int) -> int:
+        """The compressor's shared key at ``layer``."""
+        return exchange_key(self.seed, self.step, layer)
+
+    def route(self, layer: int, device: torch.device) -> Route:
+        """The rows that travel at ``layer``: all of them, or a selection."""
+        plan = self.plan
+        if self.selection is None:
+            return Route(None, None, plan.send_counts, plan.recv_counts)
+        return self.selection.route(plan.rank, plan.send_counts, plan.recv_counts, self.seed, self.step, layer, device)
+
+    def swap(self, payload: Tensor, width: int, layer: int, send_counts: list[int],
+             recv_counts: list[int]) -> tuple[Tensor, int]:
+        """Swap payloads (grouped by peer, ``send_counts`` each) and decompress; return (rows received, bytes sent)."""
+        payload = payload.contiguous()
+        received = payload.new_empty((sum(recv_counts), self.compressor.payload_columns(width, self.rate)))
         with collective(f"halo exchange of layer {layer}"):
             dist.all_to_all_single(received, payload, recv_counts, send_counts)
-        return self.compressor.decode(received, rows.size(1), self.rate, key), payload.numel() * payload.element_size()
+        decoded = self.compressor.decode(received, width, self.rate, self.key(layer))
+        return decoded, payload.numel() * payload.element_size()
+
+    def transfer(self, rows: Tensor, layer: int, send_counts: list[int], recv_counts: list[int]) -> tuple[Tensor, int]:
+        """Compress ``rows`` (grouped by peer, ``send_counts`` each), swap, decompress; return (rows, bytes sent)."""
+        payload = self.compressor.encode(rows, self.rate, self.key(layer))
+        return self.swap(payload, rows.size(1), layer, send_counts, recv_counts)
 
 
 class _HaloFunction(torch.autograd.Function):
     """Forward: send the boundary rows, receive the halo. Backward: send the halo's gradients back to
-    their owners, who add them to the rows they sent (same compressor, same key)."""
+    their owners, who add them to the rows they sent (same compressor, same key).
+
+    Only the rows that travel this step carry gradients back (a selective exchange returns those alone): the
+    error-feedback residual and a selective exchange's stale rows are constants.
+    """
 
     @staticmethod
     def forward(ctx, rows: Tensor, exchange: HaloExchange, layer: int) -> Tensor:  # type: ignore[override]
         plan = exchange.plan
-        ctx.exchange, ctx.layer, ctx.num_rows = exchange, layer, rows.size(0)
-        halo, sent = exchange.transfer(rows[plan.send_index], layer, plan.send_counts, plan.recv_counts)
+        route = exchange.route(layer, rows.device)
+        sources = plan.send_index if route.sent is None else plan.send_index[route.sent]
+        ctx.exchange, ctx.layer, ctx.num_rows, ctx.route, ctx.sources = exchange, layer, rows.size(0), route, sources
+        outgoing = rows[sources]
+        if exchange.feedback is None:
+            payload = exchange.compressor.encode(outgoing, exchange.rate, exchange.key(layer))
+        else:
+            payload = exchange.feedback.encode(exchange.compressor, outgoing, exchange.rate, exchange.key(layer),
+                                               layer, route.sent, plan.send_index.numel())
+        halo, sent = exchange.swap(payload, rows.size(1), layer, route.send_counts, route.recv_counts)
         if exchange.evaluating:
             exchange.traffic.eval_halo += sent
         else:
             exchange.traffic.forward_halo += sent
-        return halo
+        return halo if exchange.selection is None else exchange.selection.merge(layer, halo, route)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         exchange: HaloExchange = ctx.exchange
-        plan = exchange.plan
-        back, sent = exchange.transfer(grad.contiguous(), ctx.layer, plan.recv_counts, plan.send_counts)
+        route: Route = ctx.route
+        grad = grad if route.received is None else grad[route.received]
+        back, sent = exchange.transfer(grad.contiguous(), ctx.layer, route.recv_counts, route.send_counts)
         exchange.traffic.backward_halo += sent
-        rows = grad.new_zeros(ctx.num_rows, grad.size(1)).index_add_(0, plan.send_index, back)
+        rows = grad.new_zeros(ctx.num_rows, grad.size(1)).index_add_(0, ctx.sources, back)
         return rows, None, None
 
 

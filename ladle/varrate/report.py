@@ -18,8 +18,13 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
     name = schedule["kind"]
     if name == "fixed":
         name = f"fixed r={schedule['rate_max']:g}"
-    if name not in ("full", "none"):
-        name += f" ({meta['compressor']})"
+    extras = [] if name in ("full", "none") else [meta["compressor"]]
+    if meta.get("error_feedback"):
+        extras.append("error feedback")
+    if meta.get("select", 1.0) < 1:
+        extras.append(f"select {meta['select']:g}")
+    if extras:
+        name += f" ({', '.join(extras)})"
     seconds = meta["seconds_per_epoch"]
     halo, halo_curve = 0, []
     for row in meta["history"]:

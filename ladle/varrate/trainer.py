@@ -27,7 +27,7 @@ from ladle.nn.models import GNN, GCNLayer, SAGELayer, build_model, project_featu
 from ladle.nn.scoring import Metrics, metric_sums
 from ladle.train.finish import epoch_loop, finish
 from ladle.train.loop import BestEpoch
-from ladle.varrate.compression import RateSchedule, build_compressor
+from ladle.varrate.compression import RateController, RateSchedule, build_compressor
 from ladle.varrate.halo import (
     HaloExchange,
     HaloPlan,
@@ -36,6 +36,7 @@ from ladle.varrate.halo import (
     build_plan,
     collective,
 )
+from ladle.varrate.memory import ErrorFeedback, SelectiveExchange
 from ladle.varrate.report import report_entry, write_bytes_report
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,21 @@ class VarrateOptions:
     threads: int = 0  # 0: cores / ranks on this machine
     eval_every: int = EVAL_EVERY
     log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
+    error_feedback: bool = False  # senders carry what compression lost into the next step (memory.ErrorFeedback)
+    select: float = 1.0  # fraction of the boundary rows a training exchange sends (memory.SelectiveExchange)
 
     def __post_init__(self) -> None:
         if self.eval_every < 1:
             raise LadleError(f"--eval-every must be >= 1 epoch, got {self.eval_every}")
+        if not 0 < self.select <= 1:
+            raise LadleError(f"--select must be in (0, 1] (the fraction of boundary rows sent a step), "
+                             f"got {self.select}")
+        if self.schedule.kind == "none" and (self.error_feedback or self.select < 1):
+            raise LadleError("--error-feedback and --select act on the halo exchange, and --schedule none has "
+                             "none: choose another --schedule or drop them")
+        if self.error_feedback and self.compressor == "truncate":
+            raise LadleError("--error-feedback has nothing to carry over with --compress truncate (it is exact on the "
+                             "columns it sends and never sends the others): use --compress mask or int8")
 
 
 def _metrics(model: GNN, part: RankData, exchange: HaloExchange) -> list[float]:
@@ -175,10 +187,18 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     (:class:`~ladle.core.rundir.RunDir`) and returns the metadata; other ranks return None. Rank 0 also logs
     the run's curve (:mod:`ladle.train.curves`, role ``varrate``): the all-reduced training loss every epoch,
     validation at each evaluation.
+
+    The ratio comes from :class:`~ladle.varrate.compression.RateController` (``adaptive`` reads the all-reduced
+    loss), and early stopping counts only epochs at the schedule's final ratio: a run is never stopped while
+    its ratio is still falling. ``options.error_feedback`` and ``options.select`` give the training exchanges
+    their memory (:mod:`ladle.varrate.memory`); evaluations stay exact.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = part.y.device
-    compressor = build_compressor(options.compressor)
+    compressor = build_compressor(options.compressor, options.error_feedback)
+    rates = RateController(options.schedule, recipe.epochs)
+    feedback = ErrorFeedback() if options.error_feedback else None
+    selection = SelectiveExchange(options.select) if options.select < 1 else None
     torch.manual_seed(recipe.seed)  # the soup's shared initialisation, identical on every rank
     model = build_model(recipe, part.x.shape[1], part.num_classes).to(device)
     torch.manual_seed(worker_seed(recipe.seed, rank))  # dropout differs by rank
@@ -191,21 +211,23 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     training, sent_total, last_eval = 0, setup, -1
     start = time.perf_counter()
     if rank == 0:
-        log.info("training %d ranks, %s partition, schedule %s, compressor %s, %d epochs, evaluating every %d",
-                 world, options.partition, options.schedule.kind, options.compressor, recipe.epochs,
+        memory = (" with error feedback" if options.error_feedback else "") + (
+            f", sending {options.select:g} of the boundary rows a step" if selection is not None else "")
+        log.info("training %d ranks, %s partition, schedule %s, compressor %s%s, %d epochs, evaluating every %d",
+                 world, options.partition, options.schedule.kind, options.compressor, memory, recipe.epochs,
                  options.eval_every)
     epoch = 0
     with epoch_loop(run_dir if rank == 0 else None, "varrate", "varrate", options.log, recipe.epochs,
                     desc=f"varrate {options.schedule.kind}", show=rank == 0) as (bar, curves):
         for epoch in range(recipe.epochs):
             traffic = Traffic()
-            rate = options.schedule.rate(epoch, recipe.epochs)
+            rate = rates.rate(epoch)
             evaluating = (epoch + 1) % options.eval_every == 0 or epoch + 1 == recipe.epochs
             began = time.perf_counter()
             try:
                 model.train()
                 exchange = None if rate is None else HaloExchange(part.plan, compressor, rate, recipe.seed, epoch,
-                                                                  traffic)
+                                                                  traffic, feedback=feedback, selection=selection)
                 loss = partition_loss(partition_forward(model, part.x, part.plan, exchange), part)
                 optimizer.zero_grad()
                 loss.backward()
@@ -224,6 +246,7 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
                 raise PeerFailure(f"rank {rank}, epoch {epoch}: {error}; another rank died or stalled for more than "
                                   f"{options.timeout:g} s (--timeout) - check its output") from None
             total = local.cpu().tolist()
+            rates.observe(total[0])  # the same all-reduced loss on every rank, so the same next ratio
             counts = dict(zip(Traffic.FIELDS, (int(v) for v in total[1:1 + len(Traffic.FIELDS)])))
             training += counts["forward_halo"] + counts["backward_halo"] + counts["allreduce"]
             sent_total += sum(counts.values())
@@ -251,7 +274,7 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
             bar.set_postfix(rate="-" if rate is None else f"{rate:.1f}", best=f"{best.best_acc:.3f}",
                             halo=_megabytes(counts["forward_halo"] + counts["backward_halo"]),
                             allreduce=_megabytes(counts["allreduce"]))
-            if best.exhausted(recipe.patience):
+            if best.exhausted(recipe.patience) and rates.epochs_final(epoch) >= recipe.patience:
                 break
     if rank != 0:
         return None
@@ -285,6 +308,7 @@ def _summary(recipe: Recipe, options: VarrateOptions, world: int, history: list[
     evaluations = sum(row["val_acc"] is not None for row in history)
     return {
         "recipe": recipe.to_dict(), "workers": world, "partition": options.partition, "compressor": options.compressor,
+        "error_feedback": options.error_feedback, "select": options.select,
         "schedule": options.schedule.describe(), "device": options.device, "threads": options.threads,
         "eval_every": options.eval_every, "evaluations": evaluations,
         "ranks": [{"rank": r, "owned": s[0], "halo": s[1], "sent": s[2], "train": s[3]} for r, s in enumerate(sizes)],
