@@ -1,11 +1,11 @@
 """Ingredients on a two-node Ray cluster of this machine: each Ray worker's peak RSS against a local part worker's,
 and what losing a node costs.
 
-    python bench/ray_nodes.py                          # physics-metis, K = 8, 5 epochs
-    python bench/ray_nodes.py --recipe cora-metis --epochs 200
+    python bench/ray_nodes.py                          # physics-metis, K = 8, 300 epochs
+    python bench/ray_nodes.py --recipe cora-metis --epochs 400
 
 The recipe's K part ingredients (``trunk.epochs=0``: part workers only, no whole-graph trunk) are trained three
-times through ``python -m ladle.train``, one CPU and one thread per worker: on the local backend (one worker),
+times through ``python -m ladle.train``, one thread per worker: on the local backend (a worker per core),
 on a Ray cluster of two nodes on loopback (a head and a second raylet, 1 CPU each), and on that cluster again
 with the second node's raylet killed (SIGKILL) while it trains an ingredient. Each ingredient's JSON gives the
 peak RSS of the process that trained it (VmHWM, Ray's own libraries included) and its weights, which must equal
@@ -118,6 +118,7 @@ def _train(args: list[str], run_dir: Path, node_manager_port: int | None = None)
         raise RuntimeError(f"ladle.train failed: {err[-2000:]}")
     metas = sorted((read_json(path) for path in run_dir.glob("ingredient-*.json")), key=lambda m: m["name"])
     return {"seconds": time.perf_counter() - began, "killed_worker": victim,
+            "killed_worker_finished_one": victim in {meta["pid"] for meta in metas},  # True: the kill came too late
             "ingredients": [{key: meta[key] for key in ("name", "pid", "peak_rss_mb", "test_acc", "train_seconds")}
                             for meta in metas]}
 
@@ -134,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="physics-metis")
     parser.add_argument("-k", "--ingredients", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=300, help="enough for the kill to land inside an ingredient")
     parser.add_argument("--data-root", help="dataset root folder")
     parser.add_argument("--out", type=Path, default=RESULTS / "ray-nodes.json")
     args = parser.parse_args()
@@ -144,7 +145,8 @@ def main() -> None:
                               "epochs": args.epochs}
     with tempfile.TemporaryDirectory() as scratch:
         runs = Path(scratch)
-        record["local"] = _train([*common, "--workers", "1"], runs / "local")  # one process, as one Ray node's CPU
+        cores = len(os.sched_getaffinity(0))  # a worker per core: one thread each, as each Ray task
+        record["local"] = _train([*common, "--workers", str(cores)], runs / "local")
         with loopback_cluster() as (address, second):
             ray = [*common, "--backend", "ray", "--address", address]
             record["ray"] = _train(ray, runs / "ray")
