@@ -9,9 +9,11 @@ from conftest import TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
-from ladle.train import launch
+from ladle.graph.shards import ShardSet
+from ladle.train import worker as shard_worker
 from ladle.train.launch import train_ingredients
 from ladle.train.task import RunSpec
+from ladle.train.worker import ShardWorker
 
 
 def _weights(run_dir: Path, ingredients: int) -> list[dict[str, torch.Tensor]]:
@@ -27,9 +29,9 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
                             data_root=data_root, save_every=0)
     pooled = _weights(run.run_dir, 3)
     loads: list[str] = []
-    real_load = launch.load_shard
-    monkeypatch.setattr(launch, "load_shard", lambda path: loads.append(Path(path).name) or real_load(path))
-    worker = launch._Worker(recipe, str(run.run_dir / "shards"), 1, 0, "cpu")  # in this process: loads are seen
+    real_load = shard_worker.load_shard
+    monkeypatch.setattr(shard_worker, "load_shard", lambda path: loads.append(Path(path).name) or real_load(path))
+    worker = ShardWorker(recipe, ShardSet.open(run.run_dir / "shards"), 1, 0, "cpu")  # in this process: loads are seen
     for task in RunSpec(recipe, 3, save_every=0).tasks(run.run_dir):
         worker.run(task)
     assert loads == loaded

@@ -280,15 +280,6 @@ class ShardSet:
         except (OSError, ValueError) as error:
             raise LadleError(f"{self.path / 'partition.npy'} is corrupt ({error}); {REBUILD}") from None
 
-    def digest(self) -> str:
-        """The SHA-256 of the partition (``""`` without one): what may differ between two preparations of the same
-        inputs (METIS draws from the process-wide ``rand()``)."""
-        if not self.meta["partition"]:
-            return ""
-        check_regular(self.path / "partition.npy")
-        with open(self.path / "partition.npy", "rb") as stream:
-            return hashlib.file_digest(stream, "sha256").hexdigest()
-
     def complete(self) -> bool:
         """Whether every shard listed in ``shards.json`` has a readable ``meta.json`` that lists its arrays, each
         present as a regular file of at least its size (the arrays themselves are checked on load)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -78,7 +79,14 @@ class ShardSource:
 
     @classmethod
     def of(cls, shards: ShardSet, ingredients: int) -> ShardSource:
-        return cls(str(shards.path.resolve()), shards.meta["key"], shards.digest(), ingredients)
+        return cls(str(shards.path.resolve()), shards.meta["key"], partition_digest(shards), ingredients)
+
+
+def partition_digest(shards: ShardSet) -> str:
+    """The SHA-256 of a shard set's partition (``""`` without one): what may differ between two preparations of the
+    same inputs (METIS draws from the process-wide ``rand()``)."""
+    partition = shards.partition()
+    return "" if partition is None else hashlib.sha256(partition.numpy().tobytes()).hexdigest()
 
 
 def _prepare(recipe: dict[str, Any], ingredients: int, data_root: str | None) -> str:
@@ -97,9 +105,10 @@ def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> S
     # a fresh process: METIS draws from the process-wide rand(), which Ray's own threads also call
     with futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         shards = ShardSet.open(Path(pool.submit(_prepare, recipe.to_dict(), source.ingredients, data_root).result()))
-    if shards.meta["key"] != source.key or shards.digest() != source.digest:
+    digest = partition_digest(shards)
+    if shards.meta["key"] != source.key or digest != source.digest:
         raise LadleError(f"the shards prepared on {socket.gethostname()} ({shards.meta['key']}, partition "
-                         f"{shards.digest()[:12] or 'none'}) differ from the driver's ({source.key}, "
+                         f"{digest[:12] or 'none'}) differ from the driver's ({source.key}, "
                          f"{source.digest[:12] or 'none'}): give every node the same dataset files (same sizes and "
                          "mtimes) or put LADLE_CACHE on storage every node sees")
     return shards
