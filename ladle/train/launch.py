@@ -9,6 +9,7 @@ group, no messages; each writes its own checkpoint and returns its metadata.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import datetime as dt
 import logging
 import multiprocessing as mp
@@ -222,27 +223,30 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
     files, recipe = RunDir(run_path), spec.recipe
+    with contextlib.ExitStack() as stack:
+        pool = (stack.enter_context(LocalPool(recipe, files.shards, workers, device,
+                                              threads or max(1, available_cores() // workers)))
+                if backend == "local" else None)
 
-    def run(batch: list[IngredientTask], processes: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-        if not batch:
-            return {}, {}
-        if backend == "local":
-            return run_local(batch, recipe, files.shards, processes, device,
-                             threads or max(1, available_cores() // workers))
-        return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
+        def run(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+            if not batch:
+                return {}, {}
+            if pool is not None:
+                return pool.run(batch)
+            return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
 
-    results, failed = {}, {}
-    if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):  # once, before the branches
-        trunk = spec.trunk_task(run_path)
-        results, failed = run([trunk], 1)
-        if failed:
-            log.error("the trunk failed, so no ingredient can branch from it")
-            tasks = [trunk]
-    if recipe.trunk.epochs and not failed:
-        run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
-    if not failed:
-        more, failed = run(tasks, workers)
-        results |= more
+        results, failed = {}, {}
+        if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
+            trunk = spec.trunk_task(run_path)  # once, before the branches
+            results, failed = run([trunk])
+            if failed:
+                log.error("the trunk failed, so no ingredient can branch from it")
+                tasks = [trunk]
+        if recipe.trunk.epochs and not failed:
+            run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
+        if not failed:
+            more, failed = run(tasks)
+            results |= more
     for task in tasks:
         if task.name in failed:
             write_json(files.meta(task.name),
@@ -266,21 +270,31 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
                                        "train_seconds", "peak_rss_mb")}
 
 
-def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers: int,
-              device: str, threads: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Run tasks on ``workers`` spawned processes, ``cores / workers`` threads each, reading the run's
-    ``shards``; return (metadata by name, error by name of those that failed). A failing ingredient
-    does not stop the others."""
-    threads = threads or max(1, available_cores() // workers)
-    context = mp.get_context("spawn")
-    slots = context.Queue()
-    for slot in range(workers):
-        slots.put(slot)
-    results: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                     initargs=(recipe.to_dict(), str(shards), threads, slots, device)) as pool:
-        pending = {pool.submit(_run_task, task): task for task in tasks}
+class LocalPool:
+    """``workers`` spawned worker processes for one run, ``threads`` threads each, reading the run's ``shards``; kept
+    across the run's phases (the trunk, then the branches), so a process is started once. Processes start as tasks
+    need them, so the trunk phase starts one."""
+
+    def __init__(self, recipe: Recipe, shards: Path, workers: int, device: str, threads: int) -> None:
+        context = mp.get_context("spawn")
+        slots = context.Queue()
+        for slot in range(workers):
+            slots.put(slot)
+        self.pool = futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                initargs=(recipe.to_dict(), str(shards), threads, slots, device))
+
+    def __enter__(self) -> LocalPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown()
+
+    def run(self, tasks: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Train ``tasks``; return (metadata by name, error by name of those that failed). A failing ingredient does
+        not stop the others."""
+        results: dict[str, dict[str, Any]] = {}
+        failed: dict[str, str] = {}
+        pending = {self.pool.submit(_run_task, task): task for task in tasks}
         for future in futures.as_completed(pending):
             task = pending[future]
             try:
@@ -289,4 +303,4 @@ def run_local(tasks: list[IngredientTask], recipe: Recipe, shards: Path, workers
                     LadleError) as error:  # e.g. a shard damaged since the run began
                 log.error("%s failed: %s", task.name, error)
                 failed[task.name] = f"{type(error).__name__}: {error}"
-    return results, failed
+        return results, failed
