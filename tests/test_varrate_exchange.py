@@ -391,30 +391,21 @@ def _boundary_rows(cora_data: Data) -> list[list[int]]:
     return [build_plan(cora_data.edge_index, cora_data.num_nodes, parts, r, 2, "gcn").send_counts for r in range(2)]
 
 
-def test_cli_error_feedback(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
-    """Fixed ratio 32, column mask with error feedback: accuracy above 0.75 and the same bytes a step as without
-    feedback (int(d / 32) float32 columns a row)."""
+def test_cli_error_feedback_and_select(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
+    """Fixed ratio 32, a column mask with error feedback, half the rows a step: accuracy above 0.75; the first epoch
+    sends every row, later ones ``ceil(0.5 n)`` of each peer's ``n``, each int(d / 32) float32 columns (feedback adds
+    no byte); the evaluations stay exact (every row, every column)."""
     meta = _run(data_root, tmp_path / "run", "--schedule", "fixed", "--rate-max", "32", "--compress", "mask",
-                "--error-feedback", "epochs=60")
-    assert meta["error_feedback"] is True and meta["test_acc"] > 0.75
-    rows = sum(sum(counts) for counts in _boundary_rows(cora_data))
-    per_step = rows * 4 * (kept_columns(meta["recipe"]["hidden"], 32) + kept_columns(cora_data.num_classes, 32))
-    assert {row["forward_halo"] for row in meta["history"]} == {per_step}
-    assert meta["bytes"]["forward_halo"] == meta["bytes"]["backward_halo"] == 60 * per_step
-
-
-def test_cli_select(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
-    """Exact rows, a tenth of them a step: accuracy above 0.75; the first epoch sends every row, later ones
-    ``ceil(0.1 n)`` of each peer's ``n``; the evaluations stay exact (every row)."""
-    meta = _run(data_root, tmp_path / "run", "--schedule", "full", "--select", "0.1", "epochs=60")
-    assert meta["select"] == 0.1 and meta["test_acc"] > 0.75
+                "--error-feedback", "--select", "0.5", "epochs=60")
+    assert meta["error_feedback"] is True and meta["select"] == 0.5 and meta["test_acc"] > 0.75
     counts = _boundary_rows(cora_data)
-    width = 4 * (meta["recipe"]["hidden"] + cora_data.num_classes)  # float32 columns of both layers
+    width = 4 * (kept_columns(meta["recipe"]["hidden"], 32) + kept_columns(cora_data.num_classes, 32))
     every = sum(sum(c) for c in counts) * width
-    tenth = sum(math.ceil(0.1 * n) for c in counts for n in c) * width
-    assert [row["forward_halo"] for row in meta["history"]] == [every] + [tenth] * 59
-    assert [row["backward_halo"] for row in meta["history"]] == [every] + [tenth] * 59
-    assert {row["eval_halo"] for row in meta["history"] if row["val_acc"] is not None} == {every}
+    half = sum(math.ceil(0.5 * n) for c in counts for n in c) * width
+    assert [row["forward_halo"] for row in meta["history"]] == [every] + [half] * 59
+    assert [row["backward_halo"] for row in meta["history"]] == [every] + [half] * 59
+    exact = sum(sum(c) for c in counts) * 4 * (meta["recipe"]["hidden"] + cora_data.num_classes)
+    assert {row["eval_halo"] for row in meta["history"] if row["val_acc"] is not None} == {exact}
 
 
 def test_cli_adaptive(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
