@@ -312,13 +312,32 @@ _held: list[int] = []  # the worker-lock descriptors of this process, open until
 def hold_as_worker(run_dir: Path) -> None:
     """Hold a shared lock on ``run_dir``'s ``workers.lock`` for the rest of this (worker) process's life, so the
     directory is not handed to another command while the worker still trains into it."""
+    fd = _lock_shared(run_dir)
+    if fd is not None:
+        _held.append(fd)
+
+
+@contextmanager
+def working_in(run_dir: Path) -> Iterator[None]:
+    """Hold a shared lock on ``run_dir``'s ``workers.lock`` while a task of a pool worker, which outlives one run,
+    trains into it: as :func:`hold_as_worker`, for one task."""
+    fd = _lock_shared(run_dir)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _lock_shared(run_dir: Path) -> int | None:
+    """A descriptor holding ``workers.lock`` shared, or None on a file system without flock (the run lock alone)."""
     fd = _open_lock(run_dir, RunDir(run_dir).workers_lock)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:  # a file system without flock: the run lock alone
+    except OSError:
         os.close(fd)
-        return
-    _held.append(fd)
+        return None
+    return fd
 
 
 def _owner(fd: int) -> str:

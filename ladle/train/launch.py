@@ -9,11 +9,11 @@ group, no messages; each writes its own checkpoint and returns its metadata.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import contextlib
 import datetime as dt
 import logging
 import multiprocessing as mp
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,8 @@ import torch
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe, recipe_from_dict
-from ladle.core.resources import available_cores, die_with_parent, resolve_device
+from ladle.core.recipe import Recipe
+from ladle.core.resources import available_cores, resolve_device
 from ladle.core.rundir import (
     BASELINE,
     CHECKPOINTS,
@@ -32,7 +32,6 @@ from ladle.core.rundir import (
     RunDir,
     check_free,
     check_same_run,
-    hold_as_worker,
     lock_run_dir,
     make_run_dir,
     new_run_dir,
@@ -56,7 +55,7 @@ from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import SAVE_EVERY, IngredientTask, RunSpec
-from ladle.train.worker import ShardWorker
+from ladle.train.worker import run_task, start_worker
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +83,6 @@ class RunResult:
             )
         lines.extend(f"{name:<15}FAILED" for name in self.failed)
         return "\n".join(lines)
-
-
-_worker: ShardWorker | None = None  # one per worker process, set by the pool initialiser
-
-
-def _init_worker(recipe_dict: dict[str, Any], shards: str, threads: int, slots: Any, device: str) -> None:
-    global _worker
-    die_with_parent()  # and, until this process ends, the run directory stays owned:
-    hold_as_worker(Path(shards).parent)
-    _worker = ShardWorker(recipe_from_dict(recipe_dict), ShardSet.open(Path(shards)), threads, slots.get(), device)
-
-
-def _run_task(task: IngredientTask) -> dict[str, Any]:
-    assert _worker is not None, "worker not initialised"
-    return _worker.run(task)
 
 
 def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None = None,
@@ -223,30 +207,28 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
              threads: int | None = None) -> RunResult:
     files, recipe = RunDir(run_path), spec.recipe
-    with contextlib.ExitStack() as stack:
-        pool = (stack.enter_context(LocalPool(recipe, files.shards, workers, device,
-                                              threads or max(1, available_cores() // workers)))
-                if backend == "local" else None)
+    pool = (LocalPool(recipe, files.shards, workers, device, threads or max(1, available_cores() // workers))
+            if backend == "local" else None)
 
-        def run(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-            if not batch:
-                return {}, {}
-            if pool is not None:
-                return pool.run(batch)
-            return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
+    def run(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        if not batch:
+            return {}, {}
+        if pool is not None:
+            return pool.run(batch)
+        return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
 
-        results, failed = {}, {}
-        if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
-            trunk = spec.trunk_task(run_path)  # once, before the branches
-            results, failed = run([trunk])
-            if failed:
-                log.error("the trunk failed, so no ingredient can branch from it")
-                tasks = [trunk]
-        if recipe.trunk.epochs and not failed:
-            run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
-        if not failed:
-            more, failed = run(tasks)
-            results |= more
+    results, failed = {}, {}
+    if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
+        trunk = spec.trunk_task(run_path)  # once, before the branches
+        results, failed = run([trunk])
+        if failed:
+            log.error("the trunk failed, so no ingredient can branch from it")
+            tasks = [trunk]
+    if recipe.trunk.epochs and not failed:
+        run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
+    if not failed:
+        more, failed = run(tasks)
+        results |= more
     for task in tasks:
         if task.name in failed:
             write_json(files.meta(task.name),
@@ -270,31 +252,53 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
                                        "train_seconds", "peak_rss_mb")}
 
 
+POOL_ENVIRONMENT = ("LADLE_", "PYTHON", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
+                    "NCCL_", "GLOO_", "RAY_")  # variables a worker's behaviour may depend on
+
+
 class LocalPool:
-    """``workers`` spawned worker processes for one run, ``threads`` threads each, reading the run's ``shards``; kept
-    across the run's phases (the trunk, then the branches), so a process is started once. Processes start as tasks
-    need them, so the trunk phase starts one."""
+    """Spawned worker processes for a run, ``threads`` torch threads each, reading the run's ``shards``. The processes
+    outlive the run: a later run of this process (a notebook's, a test's) that asks for as many on the same device,
+    from the same working folder, import path and umask, with the same environment variables of ladle, torch and
+    Python (:data:`POOL_ENVIRONMENT`), reuses them instead of starting new ones (3 s of imports each); anything else
+    starts a new pool. Processes start as tasks need them."""
+
+    _shared: tuple[tuple[Any, ...], futures.ProcessPoolExecutor] | None = None
 
     def __init__(self, recipe: Recipe, shards: Path, workers: int, device: str, threads: int) -> None:
-        context = mp.get_context("spawn")
-        slots = context.Queue()
-        for slot in range(workers):
-            slots.put(slot)
-        self.pool = futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                initargs=(recipe.to_dict(), str(shards), threads, slots, device))
+        self.recipe, self.shards, self.threads = recipe.to_dict(), str(shards), threads
+        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(POOL_ENVIRONMENT))
+        umask = os.umask(0o022)  # read it: the only way is to set it
+        os.umask(umask)
+        self.context = (workers, device, os.getcwd(), tuple(sys.path), umask, tuple(environment))
 
-    def __enter__(self) -> LocalPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown()
+    def _pool(self, fresh: bool = False) -> futures.ProcessPoolExecutor:
+        shared = LocalPool._shared
+        if shared is not None and (fresh or shared[0] != self.context):
+            shared[1].shutdown()
+            shared = LocalPool._shared = None
+        if shared is None:
+            workers, device = self.context[:2]
+            context = mp.get_context("spawn")
+            slots = context.Queue()
+            for slot in range(workers):
+                slots.put(slot)
+            pool = futures.ProcessPoolExecutor(workers, mp_context=context, initializer=start_worker,
+                                               initargs=(slots, device))
+            shared = LocalPool._shared = (self.context, pool)
+        return shared[1]
 
     def run(self, tasks: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """Train ``tasks``; return (metadata by name, error by name of those that failed). A failing ingredient does
-        not stop the others."""
+        not stop the others; a pool broken by a dead worker is replaced at the next call."""
+        try:
+            pending = {self._pool().submit(run_task, task, self.recipe, self.shards, self.threads): task
+                       for task in tasks}
+        except futures.process.BrokenProcessPool:
+            pending = {self._pool(fresh=True).submit(run_task, task, self.recipe, self.shards, self.threads): task
+                       for task in tasks}
         results: dict[str, dict[str, Any]] = {}
         failed: dict[str, str] = {}
-        pending = {self.pool.submit(_run_task, task): task for task in tasks}
         for future in futures.as_completed(pending):
             task = pending[future]
             try:

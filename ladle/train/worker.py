@@ -1,15 +1,19 @@
 """What a worker process holds, on either backend: the run's prepared shards, and the one step that trains a
 task from them. A partition ingredient memory-maps its own part shard only; everything else (sampled and full
 views, the trunk, the trunk continued, the baseline) the whole-graph shard, loaded once and kept for the next
-task the process is given."""
+task the process is given. A local pool's process (:func:`start_worker`, :func:`run_task`) may serve several
+runs in turn; it holds a run's ``workers.lock`` while it trains into that run."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch_geometric.data import Data
 
-from ladle.core.recipe import Recipe
+from ladle.core.recipe import Recipe, recipe_from_dict
+from ladle.core.resources import die_with_parent, reset_peak_rss
+from ladle.core.rundir import working_in
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.shards import ShardSet, load_shard
 from ladle.train.loop import train_task
@@ -38,10 +42,42 @@ class ShardWorker:
 
     def run(self, task: IngredientTask) -> dict[str, Any]:
         """Train ``task`` on its part shard alone (partition views) or on the whole graph; its files go to
-        ``task.run_dir``, which must hold the shared init (and the trunk, for a branch)."""
+        ``task.run_dir``, which must hold the shared init (and the trunk, for a branch). The peak memory it reports
+        is its own (from what the process holds when it starts)."""
+        reset_peak_rss()
         if task.role == INGREDIENT and self.shards.partitioned:
             shard = load_shard(self.shards.part(task.k))
             return train_task(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
                               self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
         data, full_inputs = self.graph()
         return train_task(self.recipe, data, task, full_inputs, self.slot, self.device)
+
+
+class _Process:
+    """A local pool process's state: its slot and device (from :func:`start_worker`), and the worker of the run it
+    trained for last."""
+
+    slot, device = 0, "cpu"
+    worker: ShardWorker | None = None
+    serves: tuple[str, int, int, dict[str, Any]] | None = None  # (shards folder, its shards.json's inode and mtime, recipe)
+
+
+def start_worker(slots: Any, device: str) -> None:
+    """Initialise a local pool process: it dies with its launcher, and takes the next free slot."""
+    die_with_parent()
+    _Process.slot, _Process.device = slots.get(), device
+
+
+def run_task(task: IngredientTask, recipe: dict[str, Any], shards: str, threads: int) -> dict[str, Any]:
+    """Train ``task`` of the run of ``recipe`` whose shard set is ``shards``, with ``threads`` threads; the run's
+    worker is kept for the next task of the same run (the same shards, not prepared again since)."""
+    shard_set = ShardSet.open(Path(shards))
+    written = (Path(shards) / "shards.json").stat()
+    serves = (shards, written.st_ino, written.st_mtime_ns, recipe)
+    if _Process.worker is None or _Process.serves != serves:
+        _Process.worker = ShardWorker(recipe_from_dict(recipe), shard_set, threads, _Process.slot, _Process.device)
+        _Process.serves = serves
+    torch.set_num_threads(threads)
+    with working_in(task.run_dir):
+        return _Process.worker.run(task)
+
