@@ -1,4 +1,5 @@
-"""Where ingredients run: a pool of local worker processes (spawned, reused across ingredients).
+"""Where ingredients run: a pool of local worker processes (spawned, reused across ingredients and, within one
+Python process, across runs: :class:`LocalPool`), or Ray tasks (:mod:`ladle.train.ray_tasks`).
 
 The launcher prepares the run's shards (once, cached: :mod:`ladle.graph.shards`), the run directory and the
 shared initial weights, then hands out ingredient tasks. A worker memory-maps only what its task
