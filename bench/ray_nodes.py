@@ -64,7 +64,10 @@ def loopback_cluster() -> Iterator[tuple[str, int]]:
                 subprocess.run([str(RAY), "stop", "--force"], capture_output=True)
     finally:
         for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _processes() -> Iterator[tuple[int, int, list[bytes]]]:

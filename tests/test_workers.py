@@ -31,9 +31,9 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
     loads: list[str] = []
     real_load = shard_worker.load_shard
     monkeypatch.setattr(shard_worker, "load_shard", lambda path: loads.append(Path(path).name) or real_load(path))
-    worker = ShardWorker(recipe, ShardSet.open(run.run_dir / "shards"), 1, 0, "cpu")  # in this process: loads are seen
+    worker = ShardWorker(recipe, ShardSet.open(run.run_dir / "shards"), 0, "cpu")  # in this process: loads are seen
     for task in RunSpec(recipe, 3, save_every=0).tasks(run.run_dir):
-        worker.run(task)
+        worker.run(task, 1)
     assert loads == loaded
     retrained = _weights(run.run_dir, 3)  # retrained here: bitwise what the pool's worker wrote
     assert all(torch.equal(a[key], b[key]) for a, b in zip(retrained, pooled) for key in a)

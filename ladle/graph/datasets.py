@@ -439,4 +439,3 @@ def _with_split(data: Data, kind: str, split: int) -> Data:
     for mask in ("train_mask", "val_mask", "test_mask"):
         data[mask] = data[mask].bool() & labelled
     return data
-

@@ -47,9 +47,9 @@ class CustomModel(nn.Module):
         return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.modules())
 
 
-def check_model_class(recipe_model: object, model_class: ModelFactory | None) -> None:
-    """Refuse a model class for a run of a built-in model (a run of ``model: custom`` without one fails when built)."""
-    model = getattr(recipe_model, "model", recipe_model)
+def check_model_class(model: str, model_class: ModelFactory | None) -> None:
+    """Refuse a model class for a run of a built-in ``model`` (a run of ``model: custom`` without one fails when
+    built)."""
     if model_class is not None and model != "custom":
         raise LadleError(f"this run trained ladle's built-in {model}; --model-class (model=) is only for runs "
                          "trained with your own class")

@@ -183,7 +183,7 @@ def _load(run_dir: str | Path | None, name: str | None, model_class: ModelFactor
     if not weights.is_file():
         raise LadleError(f"{path} has no model {name!r} (it has: {_saved_models(files)})")
     recipe = recipe_from_dict(run["recipe"])
-    check_model_class(recipe, model_class)
+    check_model_class(recipe.model, model_class)
     state = check_weights(weights, expected_shapes(run, model_class))
     with torch.random.fork_rng(devices=[]):  # the weights are replaced: leave the caller's RNG as it was
         model = build_model(recipe, int(run["dataset"]["features"]), int(run["dataset"]["classes"]), model_class)

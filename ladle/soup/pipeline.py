@@ -77,7 +77,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         check_free(files.path)  # before the work; the write phase takes the lock
     run = read_run(files.path)
     recipe = recipe_from_dict(run["recipe"])
-    check_model_class(recipe, model)
+    check_model_class(recipe.model, model)
     graph = None if data is None else user_graph(data, recipe.features)
     check_same_data(run, files.path, data_root, allow_other_data, graph)
     bundle = load_ingredients(files.path, skip_bad, model)  # each checked against run.json's recipe

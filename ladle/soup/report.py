@@ -105,7 +105,8 @@ def forward_line(report: dict[str, Any]) -> str:
     if report.get("forward", "layer-wise") == "layer-wise":
         return ""
     return (f"{report['model']} has no layer-wise inference in ladle: every model was scored by whole-graph forwards "
-            "of edge_index (validation: on the validation nodes' L-hop sub-graph)")
+            "of edge_index (validation: on the sub-graph the validation nodes' logits read; for a model of your own, "
+            "whose reach ladle cannot know, the whole graph)")
 
 
 def validation_line(report: dict[str, Any]) -> str:

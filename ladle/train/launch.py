@@ -175,7 +175,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
     run_path = resolve_run_dir(run_dir)
     with lock_run_dir(run_path, "ladle.train --resume"):
         run_meta = read_run(run_path)
-        check_model_class(run_meta["recipe"].get("model"), model)
+        check_model_class(run_meta["recipe"]["model"], model)
         spec = RunSpec.from_json(run_meta, model)
         given = None if data is None else user_graph(data, spec.recipe.features)
         check_same_data(run_meta, run_path, data_root, allow_other_data, given)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
@@ -49,7 +48,7 @@ from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import atomic_open, save_state, write_json
 from ladle.graph.shards import ShardSet, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask
-from ladle.train.worker import ShardWorker
+from ladle.train.worker import ShardWorker, kept_worker
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +113,6 @@ def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> S
     return shards
 
 
-_workers: dict[tuple[str, int, str], ShardWorker] = {}  # per Ray worker process: Ray reuses processes for tasks
-
-
-def _node_worker(source: ShardSource, recipe: Recipe, data_root: str | None, threads: int,
-                 device: str) -> ShardWorker:
-    key = (source.key, threads, device)
-    if key not in _workers:
-        _workers.clear()  # one run's shards at a time
-        _workers[key] = ShardWorker(recipe, node_shards(source, recipe, data_root), threads, 0, device)
-    torch.set_num_threads(threads)
-    return _workers[key]
-
-
 def _parse_fault(spec: str | None) -> tuple[str, str, Path] | None:
     """``MODE:NAME:DIR`` from ``LADLE_RAY_FAULT`` as (mode, ingredient name, marker folder)."""
     if not spec:
@@ -166,9 +152,11 @@ def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_
     """
     _maybe_fault(fault, task.name)
     try:
-        worker = _node_worker(source, recipe, data_root, threads, device)
+        # Ray reuses its worker processes for the next tasks: they keep the run's worker (and its whole graph)
+        worker = kept_worker((source, recipe.to_dict(), device),
+                             lambda: ShardWorker(recipe, node_shards(source, recipe, data_root), 0, device))
         if not gather:
-            return worker.run(task), None
+            return worker.run(task, threads), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
             local = RunDir(Path(scratch))
             inputs = {local.init, local.partition, local.weights(TRUNK)}
@@ -179,7 +167,7 @@ def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_
             partition = worker.shards.partition()
             if partition is not None:
                 save_state(local.partition, {"parts": partition})
-            meta = worker.run(dataclasses.replace(task, run_dir=local.path))
+            meta = worker.run(dataclasses.replace(task, run_dir=local.path), threads)
             return meta, {str(path.relative_to(local.path)): path.read_bytes()
                           for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
     except (FloatingPointError, LadleError) as error:

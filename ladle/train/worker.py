@@ -5,6 +5,7 @@ task the process is given. A local pool's process (:func:`start_worker`, :func:`
 runs in turn; it holds a run's ``workers.lock`` while it trains into that run."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,10 @@ from ladle.train.task import INGREDIENT, IngredientTask
 
 
 class ShardWorker:
-    """Trains tasks of one run from its shard set ``shards``, with ``threads`` torch threads on ``device``
-    (``slot``: this worker's index among the local ones, which picks its GPU when there are several)."""
+    """Trains tasks of one run from its shard set ``shards`` on ``device`` (``slot``: this worker's index among the
+    local ones, which picks its GPU when there are several)."""
 
-    def __init__(self, recipe: Recipe, shards: ShardSet, threads: int, slot: int, device: str) -> None:
-        torch.set_num_threads(threads)
+    def __init__(self, recipe: Recipe, shards: ShardSet, slot: int, device: str) -> None:
         if device == "cuda" and torch.cuda.device_count() > 1:
             device = f"cuda:{slot % torch.cuda.device_count()}"  # local workers take GPUs round-robin
         self.recipe, self.shards, self.slot, self.device = recipe, shards, slot, device
@@ -40,10 +40,11 @@ class ShardWorker:
             self._graph = shard.data, shard.inputs(self.recipe.model)
         return self._graph
 
-    def run(self, task: IngredientTask) -> dict[str, Any]:
-        """Train ``task`` on its part shard alone (partition views) or on the whole graph; its files go to
-        ``task.run_dir``, which must hold the shared init (and the trunk, for a branch). The peak memory it reports
-        is its own (from what the process holds when it starts)."""
+    def run(self, task: IngredientTask, threads: int) -> dict[str, Any]:
+        """Train ``task`` with ``threads`` torch threads on its part shard alone (partition views) or on the whole
+        graph; its files go to ``task.run_dir``, which must hold the shared init (and the trunk, for a branch). The
+        peak memory it reports is its own (from what the process holds when it starts)."""
+        torch.set_num_threads(threads)
         reset_peak_rss()
         if task.role == INGREDIENT and self.shards.partitioned:
             shard = load_shard(self.shards.part(task.k))
@@ -53,13 +54,23 @@ class ShardWorker:
         return train_task(self.recipe, data, task, full_inputs, self.slot, self.device)
 
 
+_kept: tuple[Any, ShardWorker] | None = None  # this process's worker of the run it trained for last, and its key
+
+
+def kept_worker(key: Any, build: Callable[[], ShardWorker]) -> ShardWorker:
+    """This process's worker for the run ``key`` names: the one kept from its last task when that was the same run
+    (its whole graph stays loaded), else ``build()``, kept in its place. Pool processes serve one run at a time."""
+    global _kept
+    if _kept is None or _kept[0] != key:
+        _kept = None  # the last run's graph goes before the next one loads
+        _kept = key, build()
+    return _kept[1]
+
+
 class _Process:
-    """A local pool process's state: its slot and device (from :func:`start_worker`), and the worker of the run it
-    trained for last."""
+    """A local pool process's slot and device, from :func:`start_worker`."""
 
     slot, device = 0, "cpu"
-    worker: ShardWorker | None = None
-    serves: tuple[str, int, int, dict[str, Any]] | None = None  # (shards folder, its shards.json's inode and mtime, recipe)
 
 
 def start_worker(slots: Any, device: str) -> None:
@@ -71,13 +82,9 @@ def start_worker(slots: Any, device: str) -> None:
 def run_task(task: IngredientTask, recipe: dict[str, Any], shards: str, threads: int) -> dict[str, Any]:
     """Train ``task`` of the run of ``recipe`` whose shard set is ``shards``, with ``threads`` threads; the run's
     worker is kept for the next task of the same run (the same shards, not prepared again since)."""
-    shard_set = ShardSet.open(Path(shards))
     written = (Path(shards) / "shards.json").stat()
-    serves = (shards, written.st_ino, written.st_mtime_ns, recipe)
-    if _Process.worker is None or _Process.serves != serves:
-        _Process.worker = ShardWorker(recipe_from_dict(recipe), shard_set, threads, _Process.slot, _Process.device)
-        _Process.serves = serves
-    torch.set_num_threads(threads)
+    worker = kept_worker((shards, written.st_ino, written.st_mtime_ns, recipe), lambda: ShardWorker(
+        recipe_from_dict(recipe), ShardSet.open(Path(shards)), _Process.slot, _Process.device))
     with working_in(task.run_dir):
-        return _Process.worker.run(task)
+        return worker.run(task, threads)
 
