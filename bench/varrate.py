@@ -38,6 +38,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,36 @@ def resolve_graph(dataset: str, partition: str | None) -> tuple[str, str, str]:
     return spec, partition or default, name
 
 
+@dataclass(frozen=True)
+class Modifiers:
+    """A run spec's ``+`` modifiers: ``+ef`` (error feedback), ``+select=F``, ``+tail=N`` (the last N epochs
+    exact) and ``+nocache`` (the first layer exchanges its projected halo every step)."""
+
+    error_feedback: bool = False
+    select: float = 1.0
+    tail: int = 0
+    cache_inputs: bool = True
+
+
+def parse_modifiers(spec: str) -> Modifiers:
+    """``linear/int8+ef+select=0.5`` -> its :class:`Modifiers`."""
+    found: dict[str, Any] = {}
+    for modifier in spec.split("+")[1:]:
+        name, _, value = modifier.partition("=")
+        if (name, bool(value)) == ("ef", False):
+            found["error_feedback"] = True
+        elif (name, bool(value)) == ("nocache", False):
+            found["cache_inputs"] = False
+        elif name in ("select", "tail") and value:
+            try:
+                found[name] = float(value) if name == "select" else int(value)
+            except ValueError:
+                raise LadleError(f"run {spec!r}: {name}= needs a number, got {value!r}") from None
+        else:
+            raise LadleError(f"run {spec!r}: unknown modifier +{modifier} (+ef, +select=F, +tail=N or +nocache)")
+    return Modifiers(**found)
+
+
 def parse_run(spec: str, rate_max: float, fraction: float = 1.0, patience: int = 10) -> tuple[str, RateSchedule, str]:
     """``fixed:16/int8+ef`` -> (folder name, schedule, compressor); ``patience``: adaptive's ``--rate-patience``."""
     body, _, compressor = spec.split("+")[0].partition("/")
@@ -98,25 +129,8 @@ def parse_run(spec: str, rate_max: float, fraction: float = 1.0, patience: int =
     if compressor not in COMPRESSORS:
         raise LadleError(f"run {spec!r}: unknown compressor {compressor!r}")
     schedule = RateSchedule(kind, rate_max=float(rate) if rate else rate_max, rate_min=1.0, fraction=fraction,
-                            patience=patience)
+                            patience=patience, tail=parse_modifiers(spec).tail)
     return re.sub(r"[:/+=]", "-", spec), schedule, compressor
-
-
-def parse_memory(spec: str) -> tuple[bool, float]:
-    """A run spec's exchange memory: ``+ef`` (error feedback) and ``+select=F`` -> (error feedback, select)."""
-    feedback, select = False, 1.0
-    for modifier in spec.split("+")[1:]:
-        name, _, value = modifier.partition("=")
-        if name == "ef" and not value:
-            feedback = True
-        elif name == "select" and value:
-            try:
-                select = float(value)
-            except ValueError:
-                raise LadleError(f"run {spec!r}: select=F needs a number, got {value!r}") from None
-        else:
-            raise LadleError(f"run {spec!r}: unknown modifier +{modifier} (+ef or +select=F)")
-    return feedback, select
 
 
 def _bench_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any],
@@ -127,7 +141,8 @@ def _bench_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any],
     init_group(torch.device("cpu"), jobs[0][0].timeout, f"tcp://127.0.0.1:{port}", rank, world)
     torch.set_num_threads(jobs[0][0].threads)
     try:
-        part = load_rank_data(recipe, jobs[0][0].partition, torch.device("cpu"), data_root, local_rank=rank)
+        fetch = any(options.cache_inputs for options, _ in jobs)
+        part = load_rank_data(recipe, jobs[0][0].partition, torch.device("cpu"), data_root, rank, fetch)
         for options, run_dir in jobs:
             train_partition(recipe, part, options, run_dir if rank == 0 else None)
     finally:
@@ -142,11 +157,12 @@ def run_schedules(recipe: Recipe, specs: list[str], workers: int, partition: str
     jobs = []
     for spec in specs:
         name, schedule, compressor = parse_run(spec, rate_max, fraction, patience)
-        feedback, select = parse_memory(spec)
+        modifiers = parse_modifiers(spec)
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)
         jobs.append((VarrateOptions(workers, partition, schedule, compressor, "cpu", 300.0, threads, eval_every,
-                                    error_feedback=feedback, select=select), run_dir))
+                                    error_feedback=modifiers.error_feedback, select=modifiers.select,
+                                    cache_inputs=modifiers.cache_inputs), run_dir))
     torch.multiprocessing.start_processes(_bench_rank, args=(workers, free_port(), recipe.to_dict(), jobs, data_root),
                                           nprocs=workers, start_method="spawn")
     return [json.loads((run_dir / "varrate.json").read_text()) for _, run_dir in jobs]

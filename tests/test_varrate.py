@@ -40,6 +40,7 @@ from ladle.varrate import (
     Int8,
     RandomMask,
     RankData,
+    RateController,
     RateSchedule,
     Traffic,
     Truncate,
@@ -124,6 +125,20 @@ def test_schedules() -> None:
         RateSchedule("linear", rate_max=2, rate_min=4)
 
 
+def test_an_exact_tail_ends_any_schedule_at_ratio_one() -> None:
+    """``tail``: the last epochs exchange exactly; before them the schedule runs as it would (linear still heads
+    for --rate-min at the last epoch); ``none`` with a tail ends at 1."""
+    none = RateSchedule("none", tail=3)
+    assert [none.rate(e, 10) for e in range(10)] == [None] * 7 + [1.0] * 3 and none.final() == 1.0
+    linear = RateSchedule("linear", rate_max=64, rate_min=1, tail=2)
+    assert [linear.rate(e, 10) for e in (0, 7, 8, 9)] == pytest.approx([64, 64 - 63 * 7 / 9, 1, 1])
+    assert RateSchedule("fixed", rate_max=16, tail=1).rate(8, 10) == 16.0
+    control = RateController(RateSchedule("adaptive", rate_max=8, patience=100, tail=2), epochs=5)
+    assert [control.rate(e) for e in range(5)] == [8.0, 8.0, 8.0, 1.0, 1.0] and control.settled == 3
+    with pytest.raises(LadleError, match="--exact-tail must be >= 0"):
+        RateSchedule("none", tail=-1)
+
+
 @pytest.mark.parametrize("epochs", [1, 2, 10, 200])
 @pytest.mark.parametrize("kind, first, last", [("full", 1.0, 1.0), ("fixed", 64.0, 64.0), ("linear", 64.0, 1.0),
                                                ("step", 64.0, 1.0), ("none", None, None)])
@@ -194,20 +209,26 @@ def _worker(rank: int, world: int, port: int, data_root: str, out: Path, models:
 
 
 def _exact_step(rank: int, world: int, data_root: str, out: Path, models: list[str]) -> None:
-    """One full-graph (rate 1) step of each model on Cora: save the owned logits and all-reduced gradients."""
+    """One full-graph (rate 1) step of each model on Cora, exchanging the first layer's projection and with the
+    halo's (sparse) input features fetched once: save the owned logits and all-reduced gradients."""
     data = load_dataset("cora", data_root)
     parts = partition_nodes(data, "metis", world, seed=0)
     for kind in models:
         shard = RankData.build(data, parts, rank, world, kind)
-        torch.manual_seed(0)
-        model = build_model(load_recipe(None, [*TRUNKLESS, f"model={kind}", "dropout=0.0"]), data.num_features, data.num_classes)
-        exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic())
-        logits = partition_forward(model, shard.x, shard.plan, exchange)
-        partition_loss(logits, shard).backward()
-        traffic = Traffic()
-        allreduce_gradients(model, traffic)
-        torch.save({"owned": shard.plan.owned, "logits": logits.detach(), "allreduce": traffic.allreduce,
-                    "grads": {name: p.grad for name, p in model.named_parameters()}}, out / f"{kind}-{rank}.pt")
+        shard.fetch_inputs(data.x[shard.plan.owned])
+        for inputs, label in ((None, kind), (shard.inputs, f"{kind}-cached")):
+            torch.manual_seed(0)
+            model = build_model(load_recipe(None, [*TRUNKLESS, f"model={kind}", "dropout=0.0"]), data.num_features,
+                                data.num_classes)
+            traffic = Traffic()
+            exchange = HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, traffic)
+            logits = partition_forward(model, shard.x, shard.plan, exchange, inputs)
+            partition_loss(logits, shard).backward()
+            halo = traffic.forward_halo
+            allreduce_gradients(model, traffic)
+            torch.save({"owned": shard.plan.owned, "logits": logits.detach(), "allreduce": traffic.allreduce,
+                        "forward_halo": halo, "sent": shard.plan.send_index.numel(),
+                        "grads": {name: p.grad for name, p in model.named_parameters()}}, out / f"{label}-{rank}.pt")
 
 
 def _count_bytes(rank: int, world: int, out: Path) -> None:
@@ -232,6 +253,17 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
                 partition_forward(model, shard.x, shard.plan,
                                   HaloExchange(shard.plan, compressor, 1.0, 0, 0, traffic, evaluating=True))
         counts[label] = traffic.values()
+    shard.fetch_inputs(data.x[shard.plan.owned])  # dense rows: 4 float32 columns each
+    torch.manual_seed(0)
+    model = build_model(recipe, 4, 3)
+    traffic = Traffic()
+    cached = partition_forward(model, shard.x, shard.plan, HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, traffic),
+                               shard.inputs)
+    torch.manual_seed(0)
+    exchanged = partition_forward(build_model(recipe, 4, 3), shard.x, shard.plan,
+                                  HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic()))
+    inputs = {"bytes": shard.input_bytes, "forward": traffic.forward_halo, "halo": shard.inputs[shard.plan.owned.numel():],
+              "equal": torch.allclose(cached, exchanged, atol=1e-6)}
 
     plan = shard.plan
     gradients = {}
@@ -250,7 +282,7 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
                                                        payload, plan.recv_counts, plan.send_counts)
         (compressor.decode(received, 8, 4.0, key) * weight).sum().backward()
         gradients[compressor.name] = (ours, rows.grad.clone())
-    torch.save({"counts": counts, "gradients": gradients}, out / f"bytes-{rank}.pt")
+    torch.save({"counts": counts, "gradients": gradients, "inputs": inputs}, out / f"bytes-{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +302,17 @@ def _reference(data: Data, kind: str) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 def _assert_exact(out: Path, data: Data, world: int, models: list[str]) -> None:
-    for kind in models:
+    """Each model's partitioned step, both ways, equals full-graph training; the cached way exchanges only the
+    second layer's rows (classes floats a boundary row)."""
+    hidden = load_recipe(None, list(TRUNKLESS)).hidden
+    for run in models + [f"{kind}-cached" for kind in models]:
+        kind = run.removesuffix("-cached")
         logits, grads = _reference(data, kind)
         covered = torch.zeros(data.num_nodes, dtype=torch.bool)
         for rank in range(world):
-            result = torch.load(out / f"{kind}-{rank}.pt")
+            result = torch.load(out / f"{run}-{rank}.pt")
+            width = data.num_classes + (0 if run.endswith("-cached") else hidden)
+            assert result["forward_halo"] == result["sent"] * 4 * width
             assert torch.allclose(result["logits"], logits[result["owned"]], atol=1e-5, rtol=1e-4)
             assert result["grads"].keys() == grads.keys()
             for name, grad in grads.items():
@@ -327,6 +365,12 @@ def test_bytes_match_the_hand_count(two_ranks: Path) -> None:
             assert (forward, backward, allreduce) == (sent * row_bytes, received * row_bytes, 268), label
             assert metrics == 0, label  # counted by the training loop, not by the exchange
             assert eval_halo == (0 if label == "none" else sent * 44), label
+    # fetching the halo's dense inputs once: rank 0 sends node 2's 4 floats, rank 1 nodes 3 and 4's; then only
+    # layer 1 exchanges (3 floats a row), and the logits are those of the exchanged first layer
+    data, _ = _tiny_graph()
+    for sent, result, halo in ((1, rank0, [3, 4]), (2, rank1, [2])):
+        assert result["inputs"]["bytes"] == sent * 4 * 4 and result["inputs"]["forward"] == sent * 12
+        assert torch.equal(result["inputs"]["halo"], data.x[halo]) and result["inputs"]["equal"]
     for result in (rank0, rank1):
         for name, (ours, reference) in result["gradients"].items():
             assert torch.allclose(ours, reference, atol=1e-6), name
@@ -335,7 +379,7 @@ def test_bytes_match_the_hand_count(two_ranks: Path) -> None:
 # ---------------------------------------------------------------- launches
 
 
-def test_torchrun_launch(data_root: Path, tmp_path: Path) -> None:
+def test_torchrun_launch(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     run_dir = tmp_path / "run"
     result = subprocess.run(
@@ -345,11 +389,22 @@ def test_torchrun_launch(data_root: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["workers"] == 2 and meta["launcher"] == "torchrun" and meta["epochs_run"] == 2
-    _assert_byte_totals(meta, nodes=2708)
+    _assert_byte_totals(meta, cora_data)
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "report.md").is_file()
 
 
-def _assert_byte_totals(meta: dict, nodes: int) -> None:
+def _input_halo_bytes(data: Data, partition: str, world: int) -> int:
+    """What fetching the halo's input features sends, all ranks: Cora's rows are sparse, so per boundary row an
+    int32 count and per non-zero an int32 column and a float32 value."""
+    parts = partition_nodes(data, partition, world, seed=0)
+    total = 0
+    for rank in range(world):
+        plan = build_plan(data.edge_index, data.num_nodes, parts, rank, world, "gcn")
+        total += 4 * plan.send_index.numel() + 8 * int(torch.count_nonzero(data.x[plan.owned[plan.send_index]]))
+    return total
+
+
+def _assert_byte_totals(meta: dict, data: Data) -> None:
     """Every part of ``bytes`` by its formula (ring collectives, summed over ranks), and the total their sum."""
     sent, world, epochs = meta["bytes"], meta["workers"], meta["epochs_run"]
     params = meta["model_bytes"] // 4
@@ -359,16 +414,18 @@ def _assert_byte_totals(meta: dict, nodes: int) -> None:
     assert [row["epoch"] for row in evaluated] == [e for e in range(epochs)
                                                    if (e + 1) % meta["eval_every"] == 0 or e + 1 == epochs]
     assert meta["evaluations"] == len(evaluated)
-    # the evaluation's exchange is the training forward's at rate 1: every boundary row, hidden + classes floats
+    # the evaluation's exchange is the training forward's at rate 1: every boundary row, classes floats (and hidden
+    # ones when the first layer exchanges its projection instead of fetching the halo's inputs once)
     rows = sum(row["sent"] for row in meta["ranks"])
-    hidden, classes = meta["recipe"]["hidden"], 7
-    assert sent["eval_halo"] == len(evaluated) * rows * 4 * (hidden + classes)
+    width = data.num_classes + (0 if meta["cache_inputs"] else meta["recipe"]["hidden"])
+    assert sent["eval_halo"] == len(evaluated) * rows * 4 * width
     # per epoch one float64 reduction of [loss, 5 counters] (+ 4 scores when evaluating)
     metrics = sum(ring_allreduce_bytes(6 + 4 * (row["val_acc"] is not None), 8, world, r)
                   for row in meta["history"] for r in range(world))
     assert sent["metrics"] == metrics
-    # setup: the partition (int64 a node) broadcast from rank 0, and the size table (K x 5 int64) reduced
-    assert sent["setup"] == (world - 1) * nodes * 8 + 2 * (world - 1) * world * 5 * 8
+    # setup: the partition (int64 a node) broadcast from rank 0, the size table (K x 5 int64) reduced, the inputs
+    inputs = _input_halo_bytes(data, meta["partition"], world) if meta["cache_inputs"] else 0
+    assert sent["setup"] == (world - 1) * data.num_nodes * 8 + 2 * (world - 1) * world * 5 * 8 + inputs
     parts = ("forward_halo", "backward_halo", "allreduce", "eval_halo", "metrics", "setup")
     assert sent["total"] == sum(sent[key] for key in parts) == meta["history"][-1]["total_bytes"]
     assert sent["training"] == sent["forward_halo"] + sent["backward_halo"] + sent["allreduce"]
@@ -430,11 +487,11 @@ def test_cli_run(data_root: Path, tmp_path: Path) -> None:
 def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     """``--partition random`` splits the nodes as the soup's random view does (and cuts far more edges than
     METIS); ``--rate-fraction 0.5`` reaches ``--rate-min`` at epoch 0.5 * (epochs - 1); each epoch's halo bytes
-    follow its rate."""
+    follow its rate at both layers (``--no-input-cache``: the first exchanges its projection too)."""
     run_dir = tmp_path / "run"
     result = run_in_process("ladle.varrate", "--data-root", str(data_root), "--ranks", "2", "--partition", "random",
                             "--schedule", "linear", "--rate-max", "8", "--rate-fraction", "0.5", "--eval-every", "3",
-                            "--run-dir", str(run_dir), "epochs=4")
+                            "--no-input-cache", "--run-dir", str(run_dir), "epochs=4")
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["partition"] == "random" and meta["schedule"]["fraction"] == 0.5
@@ -451,4 +508,4 @@ def test_cli_random_partition_and_rate_fraction(data_root: Path, cora_data: Data
     for row in meta["history"]:  # truncation: int(width / rate) float32 columns a row, per layer
         assert row["forward_halo"] == rows * 4 * (kept_columns(hidden, row["rate"]) + kept_columns(classes, row["rate"]))
     assert [row["val_acc"] is not None for row in meta["history"]] == [False, False, True, True]  # epochs 3, 4
-    _assert_byte_totals(meta, nodes=cora_data.num_nodes)
+    _assert_byte_totals(meta, cora_data)

@@ -17,7 +17,7 @@ from conftest import run_in_process
 from test_varrate import _spawn, _tiny_graph
 from torch_geometric.data import Data
 
-from bench.varrate import parse_memory, parse_run
+from bench.varrate import Modifiers, parse_modifiers, parse_run
 from ladle.core.errors import LadleError
 from ladle.graph.datasets import load_dataset
 from ladle.nn.scoring import Metrics
@@ -253,11 +253,14 @@ def test_bench_run_specs_take_memory_modifiers() -> None:
     spec = "fixed:64/mask+ef+select=0.25"
     name, schedule, compressor = parse_run(spec, 64.0)
     assert (name, schedule.kind, schedule.rate_max, compressor) == ("fixed-64-mask-ef-select-0.25", "fixed", 64.0, "mask")
-    assert parse_memory(spec) == (True, 0.25) and parse_memory("linear/int8") == (False, 1.0)
+    assert parse_modifiers(spec) == Modifiers(error_feedback=True, select=0.25)
+    assert parse_modifiers("linear/int8") == Modifiers()
+    assert parse_modifiers("none+tail=23+nocache") == Modifiers(tail=23, cache_inputs=False)
+    assert parse_run("none+tail=23", 64.0)[1].tail == 23
     assert parse_run("adaptive", 32.0, patience=4)[1].patience == 4
-    for bad in ("full+select=x", "full+select", "full+foo", "fixed:8/int8+ef=1"):
+    for bad in ("full+select=x", "full+select", "full+foo", "fixed:8/int8+ef=1", "none+tail=x", "full+nocache=1"):
         with pytest.raises(LadleError, match="run "):
-            parse_memory(bad)
+            parse_modifiers(bad)
 
 
 # ---------------------------------------------------------------- the exchanges on 2 gloo ranks
@@ -394,17 +397,18 @@ def _boundary_rows(cora_data: Data) -> list[list[int]]:
 def test_cli_error_feedback_and_select(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     """Fixed ratio 32, a column mask with error feedback, half the rows a step: accuracy above 0.75; the first epoch
     sends every row, later ones ``ceil(0.5 n)`` of each peer's ``n``, each int(d / 32) float32 columns (feedback adds
-    no byte); the evaluations stay exact (every row, every column)."""
+    no byte); the evaluations stay exact (every row, every column). The first layer, its halo's inputs fetched
+    once, exchanges nothing: only the second layer's rows travel."""
     meta = _run(data_root, tmp_path / "run", "--schedule", "fixed", "--rate-max", "32", "--compress", "mask",
                 "--error-feedback", "--select", "0.5", "epochs=60")
     assert meta["error_feedback"] is True and meta["select"] == 0.5 and meta["test_acc"] > 0.75
     counts = _boundary_rows(cora_data)
-    width = 4 * (kept_columns(meta["recipe"]["hidden"], 32) + kept_columns(cora_data.num_classes, 32))
+    width = 4 * kept_columns(cora_data.num_classes, 32)
     every = sum(sum(c) for c in counts) * width
     half = sum(math.ceil(0.5 * n) for c in counts for n in c) * width
     assert [row["forward_halo"] for row in meta["history"]] == [every] + [half] * 59
     assert [row["backward_halo"] for row in meta["history"]] == [every] + [half] * 59
-    exact = sum(sum(c) for c in counts) * 4 * (meta["recipe"]["hidden"] + cora_data.num_classes)
+    exact = sum(sum(c) for c in counts) * 4 * cora_data.num_classes
     assert {row["eval_halo"] for row in meta["history"] if row["val_acc"] is not None} == {exact}
 
 
@@ -421,15 +425,16 @@ def test_cli_adaptive(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
         assert rates[-10:] == [1.0] * 10
     rows = sum(sum(c) for c in _boundary_rows(cora_data))
     for row in meta["history"]:
-        kept = kept_columns(meta["recipe"]["hidden"], row["rate"]) + kept_columns(cora_data.num_classes, row["rate"])
+        kept = kept_columns(cora_data.num_classes, row["rate"])  # the first layer's halo inputs are fetched once
         assert row["forward_halo"] == rows * 4 * kept
 
 
 def test_early_stopping_waits_for_the_final_ratio(data_root: Path, tmp_path: Path) -> None:
     """``linear`` 16 -> 1 over 40 epochs with patience 2 (evaluated every epoch): the validation stalls long
-    before the ratio reaches 1, which used to end the run; now it runs until 2 epochs at ratio 1."""
+    before the ratio reaches 1 (both layers compressed: ``--no-input-cache``), which used to end the run; now it runs
+    until 2 epochs at ratio 1."""
     meta = _run(data_root, tmp_path / "run", "--schedule", "linear", "--rate-max", "16", "--eval-every", "1",
-                "epochs=40", "patience=2")
+                "--no-input-cache", "epochs=40", "patience=2")
     assert meta["epochs_run"] == 40 and meta["history"][-1]["rate"] == 1.0
     best, stopped = BestEpoch(), None  # the old rule, replayed: stop once patience epochs pass unimproved
     for row in meta["history"]:
@@ -438,3 +443,14 @@ def test_early_stopping_waits_for_the_final_ratio(data_root: Path, tmp_path: Pat
             stopped = row
             break
     assert stopped is not None and stopped["rate"] > 1, "the old rule would not have stopped early here"
+
+
+def test_cli_none_with_an_exact_tail(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
+    """``--schedule none --exact-tail 5``: 15 epochs on the induced subgraphs (no halo byte), then 5 exact ones in
+    which only the second layer exchanges (the halo's inputs were fetched once, as setup); accuracy above 0.75."""
+    meta = _run(data_root, tmp_path / "run", "--schedule", "none", "--exact-tail", "5", "--eval-every", "5",
+                "epochs=20")
+    assert meta["schedule"]["tail"] == 5 and meta["cache_inputs"] is True and meta["test_acc"] > 0.75
+    assert [row["rate"] for row in meta["history"]] == [None] * 15 + [1.0] * 5
+    rows = sum(sum(c) for c in _boundary_rows(cora_data))
+    assert [row["forward_halo"] for row in meta["history"]] == [0] * 15 + [rows * 4 * cora_data.num_classes] * 5

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--select", type=float, default=1.0, metavar="FRACTION",
                         help="training exchanges send this random fraction of each peer's boundary rows (all rows at "
                              "a layer's first exchange); the receiver reuses its last copy of the others (default 1)")
+    parser.add_argument("--exact-tail", type=int, default=0, metavar="EPOCHS",
+                        help="the last EPOCHS epochs exchange exactly (ratio 1) whatever the schedule (default 0)")
+    parser.add_argument("--no-input-cache", dest="cache_inputs", action="store_false",
+                        help="exchange the first layer's projected halo rows every step, forward and back, instead "
+                             "of fetching the halo's input features once at setup (the authors' scheme)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY,
                         help=f"epochs between exact (uncompressed) evaluations, and the last epoch (default {EVAL_EVERY})")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/varrate-<schedule>-<time>)")
@@ -99,14 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0 or args.threads < 0:
         raise LadleError("--timeout must be > 0 and --threads >= 0")
     schedule = RateSchedule(args.schedule, args.rate_max, args.rate_min, args.rate_fraction,
-                            _parse_steps(args.rate_steps), args.rate_patience, args.rate_tolerance)
+                            _parse_steps(args.rate_steps), args.rate_patience, args.rate_tolerance, args.exact_tail)
     build_compressor(args.compress)
     check_loggers(args.log)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if ranks is None:
         ranks = 0 if under_torchrun else 4
     options = VarrateOptions(ranks, args.partition, schedule, args.compress, args.device, args.timeout,
-                             args.threads, args.eval_every, tuple(args.log), args.error_feedback, args.select)
+                             args.threads, args.eval_every, tuple(args.log), args.error_feedback, args.select,
+                             args.cache_inputs)
     if under_torchrun:
         meta = run_torchrun(recipe, options, args.run_dir, args.data_root)
     else:

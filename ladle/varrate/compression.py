@@ -172,6 +172,7 @@ class RateSchedule:
     to the end and at least from that same epoch on (default: four geometric steps from ``rate_max`` to
     ``rate_min``, e.g. 64, 16, 4, 1). ``adaptive``: ``rate_max``, halved (down to ``rate_min``) whenever the
     training loss has not improved by ``tolerance`` x its first value for ``patience`` epochs (:class:`RateController`).
+    ``tail``: the last ``tail`` epochs of any schedule exchange exactly (ratio 1), e.g. ``none`` with an exact tail.
     """
 
     kind: str = "linear"
@@ -181,6 +182,7 @@ class RateSchedule:
     steps: tuple[float, ...] = ()
     patience: int = 10
     tolerance: float = 0.01
+    tail: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
@@ -195,6 +197,8 @@ class RateSchedule:
             raise LadleError(f"--rate-patience must be >= 1 epoch; got {self.patience}")
         if not 0 <= self.tolerance < 1:
             raise LadleError(f"--rate-tolerance must be in [0, 1); got {self.tolerance}")
+        if self.tail < 0:
+            raise LadleError(f"--exact-tail must be >= 0 epochs; got {self.tail}")
 
     def levels(self) -> tuple[float, ...]:
         """The plateaus of the ``step`` schedule."""
@@ -204,7 +208,11 @@ class RateSchedule:
         return tuple(self.rate_max * ratio ** (i / 3) for i in range(4))
 
     def final(self) -> float | None:
-        """The ratio the schedule ends at (``None`` for ``none``)."""
+        """The ratio the schedule ends at (``None`` for ``none`` without an exact tail)."""
+        return 1.0 if self.tail else self._last()
+
+    def _last(self) -> float | None:
+        """The ratio the schedule itself ends at, before any exact tail."""
         if self.kind == "none":
             return None
         if self.kind == "full":
@@ -218,11 +226,13 @@ class RateSchedule:
         (:class:`RateController`)."""
         if self.kind == "adaptive":
             raise ValueError("the adaptive ratio follows the training loss: use RateController")
+        if epoch >= epochs - self.tail:
+            return 1.0
         if self.kind in ("none", "full", "fixed"):
-            return self.final()
+            return self._last()
         end = self.fraction * (epochs - 1)  # the epoch from which the schedule is at its last ratio
         if epoch >= end:
-            return self.final()
+            return self._last()
         if self.kind == "linear":
             return self.rate_max + (self.rate_min - self.rate_max) * epoch / end
         levels = self.levels()
@@ -258,7 +268,11 @@ class RateController:
 
     def rate(self, epoch: int) -> float | None:
         """The ratio of ``epoch``; call once per epoch, in order."""
-        rate = self.current if self.schedule.kind == "adaptive" else self.schedule.rate(epoch, self.epochs)
+        schedule = self.schedule
+        if schedule.kind != "adaptive":
+            rate = schedule.rate(epoch, self.epochs)
+        else:
+            rate = 1.0 if epoch >= self.epochs - schedule.tail else self.current
         if self.settled is None and rate == self.schedule.final():
             self.settled = epoch
         return rate

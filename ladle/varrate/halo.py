@@ -14,7 +14,7 @@ from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import PARTITION_KINDS, ViewConfig
-from ladle.graph.inputs import adjacency
+from ladle.graph.inputs import Features, adjacency
 from ladle.graph.partition import stream_seed
 from ladle.graph.sparse import SparseMatrix
 from ladle.graph.views import build_view
@@ -103,6 +103,41 @@ def partition_nodes(data: Data, kind: str, parts: int, seed: int) -> Tensor:
     except ValueError as error:
         raise LadleError(f"--partition {kind} with {parts} workers: {error}") from None
     return view.parts  # type: ignore[attr-defined]
+
+
+def fetch_input_halo(x: Tensor, plan: HaloPlan, sparse: bool) -> tuple[Features, int]:
+    """This rank's input rows followed by its halo's, fetched from their owners once; return them and the bytes
+    this rank sent.
+
+    The first layer aggregates ``X W`` over the halo; ``X`` never changes, so once a rank holds its halo's rows of
+    ``X`` it projects them itself and that layer exchanges nothing, forward or backward (its weight gradient,
+    summed over ranks, is the same). ``x``: the owned rows, dense. ``sparse``: send each row's non-zeros (an int32
+    count a row, then an int32 column and a float32 value each) and return a :class:`SparseMatrix`; else dense rows.
+    """
+    outgoing = x[plan.send_index]
+    if not sparse:
+        halo = outgoing.new_empty(sum(plan.recv_counts), x.size(1))
+        with collective("input halo exchange"):
+            dist.all_to_all_single(halo, outgoing.contiguous(), plan.recv_counts, plan.send_counts)
+        return torch.cat([x, halo]), outgoing.numel() * outgoing.element_size()
+    row, col = outgoing.nonzero(as_tuple=True)
+    per_row = torch.bincount(row, minlength=outgoing.size(0)).int()
+    got_per_row = per_row.new_empty(sum(plan.recv_counts))
+    with collective("input halo exchange"):
+        dist.all_to_all_single(got_per_row, per_row, plan.recv_counts, plan.send_counts)
+    send_nonzeros = [int(part.sum()) for part in per_row.split(plan.send_counts)]
+    recv_nonzeros = [int(part.sum()) for part in got_per_row.split(plan.recv_counts)]
+    got_col = col.new_empty(sum(recv_nonzeros), dtype=torch.int32)
+    got_value = outgoing.new_empty(sum(recv_nonzeros))
+    with collective("input halo exchange"):
+        dist.all_to_all_single(got_col, col.int(), recv_nonzeros, send_nonzeros)
+        dist.all_to_all_single(got_value, outgoing[row, col].contiguous(), recv_nonzeros, send_nonzeros)
+    x, got_per_row, got_col, got_value = x.cpu(), got_per_row.cpu(), got_col.cpu(), got_value.cpu()  # built on CPU
+    own_row, own_col = x.nonzero(as_tuple=True)
+    halo_row = x.size(0) + torch.repeat_interleave(torch.arange(got_per_row.numel()), got_per_row.long())
+    inputs = SparseMatrix(torch.cat([own_row, halo_row]), torch.cat([own_col, got_col.long()]),
+                          torch.cat([x[own_row, own_col], got_value]), (x.size(0) + got_per_row.numel(), x.size(1)))
+    return inputs.to(outgoing.device), 4 * per_row.numel() + 8 * row.numel()
 
 
 class PeerFailure(RuntimeError):

@@ -57,9 +57,9 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 
 def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_root: str | None,
-                   local_rank: int) -> RankData:
+                   local_rank: int, fetch_inputs: bool = True) -> RankData:
     """Load the dataset, partition it (rank 0, broadcast to all; the bytes counted as ``setup_bytes``) and
-    keep this rank's part.
+    keep this rank's part; ``fetch_inputs``: with its halo's rows of the features (:meth:`RankData.fetch_inputs`).
 
     The first rank of each machine loads (stages) the dataset before the others, so they never race
     on the cache.
@@ -75,7 +75,10 @@ def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_ro
     parts = parts.to(device)
     dist.broadcast(parts, src=0)
     sent = ring_broadcast_bytes(parts.numel() * parts.element_size(), world, rank, src=0)
-    return RankData.build(data, parts.cpu(), rank, world, recipe.model, device, setup_bytes=sent)
+    part = RankData.build(data, parts.cpu(), rank, world, recipe.model, device, setup_bytes=sent)
+    if fetch_inputs:
+        part.fetch_inputs(data.x[part.plan.owned.cpu()])
+    return part
 
 
 def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data_root: str | None, local_rank: int,
@@ -85,7 +88,7 @@ def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data
     device = rank_device(options.device, local_rank)
     init_group(device, options.timeout, init_method, rank, world)
     try:
-        part = load_rank_data(recipe, options.partition, device, data_root, local_rank)
+        part = load_rank_data(recipe, options.partition, device, data_root, local_rank, options.cache_inputs)
         return train_partition(recipe, part, options, run_dir)
     finally:
         dist.destroy_process_group()

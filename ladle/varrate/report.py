@@ -23,6 +23,10 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
         extras.append("error feedback")
     if meta.get("select", 1.0) < 1:
         extras.append(f"select {meta['select']:g}")
+    if schedule.get("tail"):
+        extras.append(f"exact last {schedule['tail']}")
+    if not meta.get("cache_inputs", False):
+        extras.append("inputs exchanged every step")
     if extras:
         name += f" ({', '.join(extras)})"
     seconds = meta["seconds_per_epoch"]

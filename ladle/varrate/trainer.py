@@ -35,6 +35,7 @@ from ladle.varrate.halo import (
     Traffic,
     build_plan,
     collective,
+    fetch_input_halo,
 )
 from ladle.varrate.memory import ErrorFeedback, SelectiveExchange
 from ladle.varrate.report import report_entry, write_bytes_report
@@ -54,21 +55,29 @@ def check_model(recipe: Recipe) -> None:
                          "synchronised across ranks)")
 
 
-def partition_forward(model: GNN, x: Features, plan: HaloPlan, exchange: HaloExchange | None) -> Tensor:
+def partition_forward(model: GNN, x: Features, plan: HaloPlan, exchange: HaloExchange | None,
+                      inputs: Features | None = None) -> Tensor:
     """Logits of the owned nodes: each layer projects the owned rows, appends the halo rows it
-    receives and aggregates with the plan's rows of ``Â`` (``exchange=None``: the induced subgraph)."""
+    receives and aggregates with the plan's rows of ``Â`` (``exchange=None``: the induced subgraph).
+
+    ``inputs``: the owned and halo rows of the features (:func:`~ladle.varrate.halo.fetch_input_halo`); the
+    first layer then projects the halo's rows itself and exchanges nothing.
+    """
     h: Features = x
     adj = plan.adj if exchange is not None else plan.induced_adj
     last = len(model.convs) - 1
     for i, conv in enumerate(model.convs):
-        if isinstance(conv, GCNLayer):
-            out = adj.matmul(_with_halo(project_features(h, conv.lin), exchange, i))
-            out = out + conv.bias if conv.bias is not None else out
-        elif isinstance(conv, SAGELayer):
-            out = adj.matmul(_with_halo(project_features(h, conv.lin_l), exchange, i)) + conv.lin_l.bias
-            out = out + project_features(h, conv.lin_r)
-        else:
+        if not isinstance(conv, GCNLayer | SAGELayer):
             raise LadleError(f"varrate supports gcn/sage; got a {type(conv).__name__} layer")
+        neighbour = conv.lin if isinstance(conv, GCNLayer) else conv.lin_l
+        if i == 0 and exchange is not None and inputs is not None:
+            out = adj.matmul(project_features(inputs, neighbour))
+        else:
+            out = adj.matmul(_with_halo(project_features(h, neighbour), exchange, i))
+        if isinstance(conv, GCNLayer):
+            out = out + conv.bias if conv.bias is not None else out
+        else:
+            out = out + conv.lin_l.bias + project_features(h, conv.lin_r)
         h = out
         if i < last:
             h = F.dropout(F.relu(model.norms[i](h)), model.dropout, model.training)
@@ -85,7 +94,8 @@ class RankData:
     """What one rank holds: its plan and its rows of the features, labels and split masks.
 
     ``totals`` are the whole graph's train / val / test counts: losses and accuracies divide by them;
-    ``setup_bytes`` what this rank sent to set up (its share of the partition broadcast).
+    ``setup_bytes`` what this rank sent to set up (its share of the partition broadcast). ``inputs``: the owned
+    and halo rows of the features when fetched (:meth:`fetch_inputs`), ``input_bytes`` what that sent.
     """
 
     plan: HaloPlan
@@ -97,6 +107,8 @@ class RankData:
     totals: tuple[int, int, int]
     num_classes: int
     setup_bytes: int = 0
+    inputs: Features | None = None
+    input_bytes: int = 0
 
     @classmethod
     def build(cls, data: Data, parts: Tensor, rank: int, world: int, model: str,
@@ -109,6 +121,12 @@ class RankData:
         masks = [data[key][plan.owned].to(device) for key in ("train_mask", "val_mask", "test_mask")]
         return cls(plan.to(device), features.to(device), data.y[plan.owned].to(device), *masks, totals,
                    int(data.num_classes), setup_bytes)
+
+    def fetch_inputs(self, x: Tensor) -> None:
+        """Fetch the halo's rows of the features from their owners (a collective: every rank calls it).
+        ``x``: this rank's own rows, dense."""
+        sparse = isinstance(self.x, SparseMatrix)
+        self.inputs, self.input_bytes = fetch_input_halo(x.to(self.y.device), self.plan, sparse)
 
 
 def partition_loss(logits: Tensor, part: RankData) -> Tensor:
@@ -149,6 +167,7 @@ class VarrateOptions:
     log: tuple[str, ...] = ()  # metric loggers besides the CSV (ladle.train.curves.LOGGERS)
     error_feedback: bool = False  # senders carry what compression lost into the next step (memory.ErrorFeedback)
     select: float = 1.0  # fraction of the boundary rows a training exchange sends (memory.SelectiveExchange)
+    cache_inputs: bool = True  # fetch the halo's input features once; the first layer then exchanges nothing
 
     def __post_init__(self) -> None:
         if self.eval_every < 1:
@@ -164,11 +183,11 @@ class VarrateOptions:
                              "columns it sends and never sends the others): use --compress mask or int8")
 
 
-def _metrics(model: GNN, part: RankData, exchange: HaloExchange) -> list[float]:
+def _metrics(model: GNN, part: RankData, exchange: HaloExchange, inputs: Features | None) -> list[float]:
     """This rank's correct train, val and test predictions and val loss sum (exact exchange, no dropout)."""
     model.eval()
     with torch.no_grad():
-        logits = partition_forward(model, part.x, part.plan, exchange)
+        logits = partition_forward(model, part.x, part.plan, exchange, inputs)
     train, _ = metric_sums(logits[part.train], part.y[part.train])
     val, val_loss = metric_sums(logits[part.val], part.y[part.val])
     test, _ = metric_sums(logits[part.test], part.y[part.test])
@@ -191,7 +210,8 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     The ratio comes from :class:`~ladle.varrate.compression.RateController` (``adaptive`` reads the all-reduced
     loss), and early stopping counts only epochs at the schedule's final ratio: a run is never stopped while
     its ratio is still falling. ``options.error_feedback`` and ``options.select`` give the training exchanges
-    their memory (:mod:`ladle.varrate.memory`); evaluations stay exact.
+    their memory (:mod:`ladle.varrate.memory`); evaluations stay exact. ``options.cache_inputs`` needs
+    ``part.inputs`` (:meth:`RankData.fetch_inputs`); their bytes count as setup.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = part.y.device
@@ -199,11 +219,15 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     rates = RateController(options.schedule, recipe.epochs)
     feedback = ErrorFeedback() if options.error_feedback else None
     selection = SelectiveExchange(options.select) if options.select < 1 else None
+    inputs = part.inputs if options.cache_inputs else None
+    if options.cache_inputs and inputs is None:
+        raise ValueError("cache_inputs needs the halo's features: call RankData.fetch_inputs on every rank first")
     torch.manual_seed(recipe.seed)  # the soup's shared initialisation, identical on every rank
     model = build_model(recipe, part.x.shape[1], part.num_classes).to(device)
     torch.manual_seed(worker_seed(recipe.seed, rank))  # dropout differs by rank
     optimizer = torch.optim.Adam(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    sizes, setup = _gather_sizes([*part.plan.describe().values(), int(part.train.sum())], part.setup_bytes, device)
+    setup_bytes = part.setup_bytes + (part.input_bytes if options.cache_inputs else 0)
+    sizes, setup = _gather_sizes([*part.plan.describe().values(), int(part.train.sum())], setup_bytes, device)
     n_train, n_val, n_test = part.totals
 
     history: list[dict[str, Any]] = []
@@ -213,6 +237,7 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
     if rank == 0:
         memory = (" with error feedback" if options.error_feedback else "") + (
             f", sending {options.select:g} of the boundary rows a step" if selection is not None else "")
+        memory += ", the halo's input features fetched once" if options.cache_inputs else ""
         log.info("training %d ranks, %s partition, schedule %s, compressor %s%s, %d epochs, evaluating every %d",
                  world, options.partition, options.schedule.kind, options.compressor, memory, recipe.epochs,
                  options.eval_every)
@@ -228,14 +253,14 @@ def train_partition(recipe: Recipe, part: RankData, options: VarrateOptions,
                 model.train()
                 exchange = None if rate is None else HaloExchange(part.plan, compressor, rate, recipe.seed, epoch,
                                                                   traffic, feedback=feedback, selection=selection)
-                loss = partition_loss(partition_forward(model, part.x, part.plan, exchange), part)
+                loss = partition_loss(partition_forward(model, part.x, part.plan, exchange, inputs), part)
                 optimizer.zero_grad()
                 loss.backward()
                 allreduce_gradients(model, traffic)
                 optimizer.step()
                 step_seconds = time.perf_counter() - began
                 scores = [] if not evaluating else _metrics(model, part, HaloExchange(
-                    part.plan, compressor, 1.0, recipe.seed, epoch, traffic, evaluating=True))
+                    part.plan, compressor, 1.0, recipe.seed, epoch, traffic, evaluating=True), inputs)
                 size = 1 + len(Traffic.FIELDS) + len(scores)
                 traffic.metrics += ring_allreduce_bytes(size, 8, world, rank)  # this very reduction, float64
                 local = torch.tensor([float(loss.detach())] + traffic.values() + scores, dtype=torch.float64,
@@ -308,7 +333,7 @@ def _summary(recipe: Recipe, options: VarrateOptions, world: int, history: list[
     evaluations = sum(row["val_acc"] is not None for row in history)
     return {
         "recipe": recipe.to_dict(), "workers": world, "partition": options.partition, "compressor": options.compressor,
-        "error_feedback": options.error_feedback, "select": options.select,
+        "error_feedback": options.error_feedback, "select": options.select, "cache_inputs": options.cache_inputs,
         "schedule": options.schedule.describe(), "device": options.device, "threads": options.threads,
         "eval_every": options.eval_every, "evaluations": evaluations,
         "ranks": [{"rank": r, "owned": s[0], "halo": s[1], "sent": s[2], "train": s[3]} for r, s in enumerate(sizes)],
