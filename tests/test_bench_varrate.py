@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from bench.varrate import GRAPHS, parse_run, resolve_graph
 from ladle.graph.synthetic import parse_synthetic
+from ladle.varrate.report import pareto_front, write_bytes_report
 
 
 def test_named_graph_brings_its_spec_and_partition() -> None:
@@ -27,3 +28,13 @@ def test_rate_fraction_reaches_ratio_one_early() -> None:
     assert schedule.rate(189, 200) > 1.0
     _, fixed, _ = parse_run("fixed:16", 64.0, fraction=0.95)
     assert fixed.rate(199, 200) == 16.0
+
+
+def test_pareto_front_keeps_what_nothing_beats_on_both_axes(tmp_path) -> None:
+    entries = [{"name": "full", "bytes": 300, "test_acc": 0.91}, {"name": "none", "bytes": 100, "test_acc": 0.87},
+               {"name": "linear", "bytes": 200, "test_acc": 0.86}, {"name": "tail", "bytes": 150, "test_acc": 0.92},
+               {"name": "same as tail", "bytes": 150, "test_acc": 0.92}]
+    assert pareto_front(entries) == [1, 3, 4]  # linear: fewer bytes and more accuracy elsewhere; full: beaten by tail
+    write_bytes_report(tmp_path, "t", entries)
+    rows = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| ") and "|---" not in line]
+    assert [row.split(" | ")[3] for row in rows[1:]] == ["", "yes", "", "yes", "yes"]

@@ -7,17 +7,20 @@ its peers the rows of ``Z`` they aggregate from (its boundary nodes), compressed
 receives theirs (its halo), and aggregates with its rows of the full-graph ``Â``. Exchanging after the
 projection sends ``hidden`` columns instead of the raw features (8,415 on Coauthor Physics). The
 feature gradients of the halo rows travel back the same way; parameter gradients are all-reduced so
-every rank holds one model, whose state dict is ladle's :class:`~ladle.nn.models.GNN`.
+every rank holds one model, whose state dict is ladle's :class:`~ladle.nn.models.GNN`. The first layer's
+input never changes, so by default each rank fetches its halo's rows of ``X`` once at setup (sparse rows as
+their non-zeros) and projects them itself: that layer then exchanges nothing, forward or back, and its
+weight gradient summed over ranks is the same (``cache_inputs``; off, every layer exchanges as the authors do).
 
 ``r_t`` follows a schedule, heavy compression early and light late (``linear``, ``step``), or is fixed;
 ``full`` (``r = 1``) is exact full-graph training and ``none`` drops the cut edges (no halo); ``adaptive``
-halves it whenever the training loss stalls. Training exchanges may remember across steps
+halves it whenever the training loss stalls; an exact tail makes the last epochs of any schedule exact. Training exchanges may remember across steps
 (:mod:`~ladle.varrate.memory`): error feedback carries what compression lost into the next step, and a
 selective exchange sends a random fraction of the rows while receivers reuse their last copy of the rest. Every
 payload byte a rank puts on the wire is counted, collectives as ring algorithms send them
 (:mod:`ladle.core.collectives`; the gradient all-reduce ``2 (K - 1) / K`` model sizes a rank, a step): forward
 halo, backward halo, gradient all-reduce, the exact evaluation halo (every ``eval_every`` epochs),
-the per-epoch metric reduction and the setup (partition broadcast, size table). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
+the per-epoch metric reduction and the setup (partition broadcast, size table, the halo's input features). Transport is ``torch.distributed`` (gloo on CPU, NCCL on GPU): uneven ``all_to_all_single``
 for halos, ``all_reduce`` for gradients and metrics.
 
 Modules: :mod:`~ladle.varrate.compression` (operators, schedules), :mod:`~ladle.varrate.halo` (plan,

@@ -44,10 +44,22 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
             "halo_curve": halo_curve}
 
 
+def pareto_front(entries: Sequence[dict[str, Any]]) -> list[int]:
+    """Indices of the entries no other entry beats on both axes (as many or fewer bytes and as high or higher test
+    accuracy, one of them strictly), by bytes."""
+    def dominated(i: int) -> bool:
+        a = entries[i]
+        return any(b["bytes"] <= a["bytes"] and b["test_acc"] >= a["test_acc"]
+                   and (b["bytes"], b["test_acc"]) != (a["bytes"], a["test_acc"]) for b in entries)
+
+    return sorted((i for i in range(len(entries)) if not dominated(i)), key=lambda i: entries[i]["bytes"])
+
+
 def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, Any]]) -> list[Path]:
     """A Markdown table and (when matplotlib is importable) a plot in ``out_dir``: test accuracy
     against the cumulative bytes sent while training (left) and against the halo bytes alone (right),
-    one curve per entry, or a star for an entry without a curve (the soup).
+    one curve per entry, or a star for an entry without a curve (the soup); the final points' Pareto front
+    (:func:`pareto_front`) is a dashed line on the left and a column of the table.
 
     Entries: ``name``, ``test_acc``, ``bytes`` (everything sent), and optionally its parts ``halo_bytes``,
     ``allreduce_bytes``, ``eval_bytes``, ``other_bytes``, ``step_seconds`` (per epoch) and ``eval_seconds``
@@ -60,10 +72,11 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
     lines = [f"# {title}", "", "Test accuracy at the best-validation evaluation against every byte sent, summed "
              "over ranks: total = training halo (forward + backward) + gradient all-reduce + evaluation halo + "
              "other (metric reductions, setup); collectives counted as ring algorithms send them.", "",
-             "| run | test acc | total bytes | halo bytes | all-reduce bytes | eval bytes | other bytes | step s/epoch "
-             "| eval s/evaluation | epochs | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for entry in entries:
-        lines.append(f"| {entry['name']} | {entry['test_acc']:.4f} | {entry['bytes']:,} | "
+             "| run | test acc | total bytes | Pareto front | halo bytes | all-reduce bytes | eval bytes | other bytes "
+             "| step s/epoch | eval s/evaluation | epochs | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    front = pareto_front(entries)
+    for i, entry in enumerate(entries):
+        lines.append(f"| {entry['name']} | {entry['test_acc']:.4f} | {entry['bytes']:,} | {'yes' if i in front else ''} | "
                      f"{cell(entry, 'halo_bytes', ',')} | {cell(entry, 'allreduce_bytes', ',')} | "
                      f"{cell(entry, 'eval_bytes', ',')} | {cell(entry, 'other_bytes', ',')} | "
                      f"{cell(entry, 'step_seconds', '.3f')} | {cell(entry, 'eval_seconds', '.3f')} | "
@@ -93,6 +106,9 @@ def write_bytes_report(out_dir: Path, title: str, entries: Sequence[dict[str, An
                 axis.plot([final], [entry["test_acc"]], "o", color=colour)
             elif axis is total_axis:  # a run that sent nothing on this axis cannot sit on a log scale
                 axis.plot([max(1, final)], [entry["test_acc"]], "*", ms=12, color=colour, label=entry["name"])
+    if len(front) > 1:
+        total_axis.plot([max(1, entries[i]["bytes"]) for i in front], [entries[i]["test_acc"] for i in front], "--",
+                        color="black", lw=1, drawstyle="steps-post", label="Pareto front (final points)")
     total_axis.set_xlabel("cumulative bytes sent (everything)")
     halo_axis.set_xlabel("cumulative halo bytes (forward + backward)")
     total_axis.set_ylabel("test accuracy (best validation so far)")
