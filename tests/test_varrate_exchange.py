@@ -33,7 +33,9 @@ from ladle.varrate import (
     SelectiveExchange,
     Traffic,
     Truncate,
+    VarrateOptions,
     build_compressor,
+    build_parser,
     build_plan,
     init_group,
     kept_columns,
@@ -239,7 +241,7 @@ def test_cli_rejects_bad_new_options(data_root: Path) -> None:
                           (["--select", "nan"], r"--select must be in \(0, 1\]"),
                           (["--schedule", "none", "--select", "0.5"], "--schedule none has none"),
                           (["--schedule", "none", "--error-feedback"], "--schedule none has none"),
-                          (["--error-feedback"], "nothing to carry over with --compress truncate"),
+                          (["--compress", "truncate", "--error-feedback"], "nothing to carry over with --compress truncate"),
                           (["--schedule", "adaptive", "--rate-patience", "0"], "--rate-patience must be >= 1"),
                           (["--schedule", "adaptive", "--rate-tolerance", "1"], r"--rate-tolerance must be in \[0, 1"),
                           (["--schedule", "adaptive", "--rate-min", "8", "--rate-max", "4"], "--rate-min <= --rate")]:
@@ -247,6 +249,14 @@ def test_cli_rejects_bad_new_options(data_root: Path) -> None:
             varrate_main(["--data-root", str(data_root), *args])
     with pytest.raises(SystemExit):  # argparse: not a number
         varrate_main(["--data-root", str(data_root), "--select", "half"])
+
+
+def test_the_measured_default_is_adaptive_mask_with_cached_inputs() -> None:
+    """bench/RESULTS.md chose it on csbm and Physics (3 seeds each); the library's options agree with the CLI."""
+    args = build_parser().parse_args([])
+    assert (args.schedule, args.compress, args.cache_inputs, args.exact_tail) == ("adaptive", "mask", True, 0)
+    options = VarrateOptions()
+    assert (options.schedule.kind, options.compressor, options.cache_inputs) == ("adaptive", "mask", True)
 
 
 def test_bench_run_specs_take_memory_modifiers() -> None:

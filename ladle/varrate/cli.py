@@ -32,10 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", "-w", type=int, default=None,
                         help="deprecated alias of --ranks (in ladle.train --workers means concurrency)")
     parser.add_argument("--partition", default="metis", choices=PARTITION_KINDS, help="node partition (default metis)")
-    parser.add_argument("--schedule", default="linear", choices=SCHEDULES,
-                        help="compression ratio over training (default linear)")
-    parser.add_argument("--compress", default="truncate", choices=tuple(COMPRESSORS),
-                        help="compression operator (default truncate: the first d/r columns)")
+    parser.add_argument("--schedule", default="adaptive", choices=SCHEDULES,
+                        help="compression ratio over training (default adaptive: halved whenever the training loss "
+                             "stalls; chosen by measurement, see bench/RESULTS.md)")
+    parser.add_argument("--compress", default="mask", choices=tuple(COMPRESSORS),
+                        help="compression operator (default mask: d/r random columns, scaled to be unbiased; "
+                             "truncate: the authors' first d/r columns)")
     parser.add_argument("--rate-max", type=float, default=64.0,
                         help="ratio at the start (linear, step, adaptive) or throughout (fixed); default 64")
     parser.add_argument("--rate-min", type=float, default=1.0,

@@ -175,7 +175,7 @@ class RateSchedule:
     ``tail``: the last ``tail`` epochs of any schedule exchange exactly (ratio 1), e.g. ``none`` with an exact tail.
     """
 
-    kind: str = "linear"
+    kind: str = "adaptive"
     rate_max: float = 64.0
     rate_min: float = 1.0
     fraction: float = 1.0

@@ -158,8 +158,8 @@ class VarrateOptions:
 
     ranks: int = 4
     partition: str = "metis"
-    schedule: RateSchedule = field(default_factory=RateSchedule)
-    compressor: str = "truncate"
+    schedule: RateSchedule = field(default_factory=lambda: RateSchedule("adaptive"))
+    compressor: str = "mask"
     device: str = "cpu"
     timeout: float = 300.0
     threads: int = 0  # 0: cores / ranks on this machine
