@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
 from ladle.graph.datasets import load_dataset, resolve_data_root
 from ladle.graph.splits import per_class_split
-from ladle.graph.synthetic import synthetic_graph
+from ladle.graph.synthetic import _undirected_edges, synthetic_graph
 
 
 def test_cora_public_split_and_normalised_features(cora_data) -> None:
@@ -65,6 +66,15 @@ def test_synthetic_graph_is_seeded_undirected_and_learnable_from_features() -> N
     means = torch.stack([data.x[data.train_mask & (data.y == c)].mean(0) for c in range(4)])
     prediction = torch.cdist(data.x[data.test_mask], means).argmin(1)
     assert (prediction == data.y[data.test_mask]).float().mean() > 0.4
+
+
+def test_undirected_edges_in_place_are_what_to_undirected_gives() -> None:
+    low, high = torch.randint(50, (2, 400), generator=torch.Generator().manual_seed(0)).sort(0).values
+    apart = low != high  # the generator drops self-loops; duplicates stay
+    pairs = (low * 50 + high)[apart].numpy().copy()
+    expected = to_undirected(torch.stack([low, high])[:, apart], num_nodes=50)
+    assert torch.equal(torch.from_numpy(_undirected_edges(pairs, 50)), expected)
+    assert _undirected_edges(pairs[:0], 50).shape == (2, 0)
 
 
 def test_synthetic_spec_errors() -> None:

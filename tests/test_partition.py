@@ -64,6 +64,25 @@ def test_in_edges_sorted_by_target_then_source(cora_data: Data) -> None:
     assert torch.equal(adj.rowptr.diff(), torch.bincount(cora_data.edge_index[1], minlength=cora_data.num_nodes))
 
 
+def test_targets_and_cut_edges_a_chunk_at_a_time_match_the_whole_arrays(cora_data: Data, monkeypatch) -> None:
+    n = cora_data.num_nodes
+    adj = InEdges(cora_data.edge_index, n)
+    dst = cora_data.edge_index[1].sort().values  # the CSR's rows, from the edges themselves
+    entries = adj.src.numel()
+    for start, end in [(0, entries), (0, 1), (7, 7), (entries - 1, entries), (13, 4001), (int(adj.rowptr[9]), 500)]:
+        assert torch.equal(adj.targets(start, end), dst[start:end]), (start, end)
+    assert torch.equal(adj.dst, dst)
+    parts = build_view(cora_data, ViewConfig(kind="random"), 0, K, seed=0).parts
+    src_part, dst_part = parts[cora_data.edge_index]
+    cross = src_part != dst_part
+    whole = torch.bincount(dst_part[cross], minlength=K) + torch.bincount(src_part[cross], minlength=K)
+    monkeypatch.setattr(partition_module, "METIS_MAX_EDGES", entries // 2)
+    sampled = partition_module._metis_input(adj, 0)
+    monkeypatch.setattr(partition_module, "_CHUNK", 1000)  # several chunks on Cora
+    assert torch.equal(partition_module.cut_edges(adj, parts, K), whole)
+    assert all(torch.equal(a, b) for a, b in zip(partition_module._metis_input(adj, 0), sampled))
+
+
 def test_metis_above_its_edge_budget_partitions_a_symmetric_sample(cora_data: Data, monkeypatch) -> None:
     adj = InEdges(cora_data.edge_index, cora_data.num_nodes)
     entries = adj.src.numel()
@@ -76,8 +95,12 @@ def test_metis_above_its_edge_budget_partitions_a_symmetric_sample(cora_data: Da
     assert all((v, u) in kept for u, v in kept)  # both directions of an edge together
     assert torch.equal(partition_module._metis_input(adj, 0)[1], sources)  # seeded
     assert not torch.equal(partition_module._metis_input(adj, 1)[1], sources)
-    parts = metis_partition(adj, K, 0)
-    assert torch.bincount(parts, minlength=K).min() > 0
+    held = adj.src.clone()
+    parts = metis_partition(adj, K, 0)  # the sources wait on disk meanwhile, and come back the same
+    assert torch.bincount(parts, minlength=K).min() > 0 and torch.equal(adj.src, held)
+    with adj.sources_on_disk():
+        assert not hasattr(adj, "src")
+    assert torch.equal(adj.src, held)
     src, dst = cora_data.edge_index  # still far better than random: cut measured on the whole graph
     random = build_view(cora_data, ViewConfig(kind="random"), 0, K, seed=0).parts
     assert (parts[src] != parts[dst]).sum() < 0.6 * (random[src] != random[dst]).sum()

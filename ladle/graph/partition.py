@@ -7,7 +7,12 @@ Everything is deterministic given the seed; no global RNG is touched.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pymetis
@@ -32,23 +37,51 @@ def stream_generator(seed: int, *stream: int) -> torch.Generator:
 class InEdges:
     """In-edge CSR of a graph: row ``v`` lists the sources of the edges ``u -> v``, sorted by ``u``.
 
-    Edge positions in this CSR are the edge ids the samplers count and index.
+    Edge positions in this CSR are the edge ids the samplers count and index. Only the sources are held
+    per edge; the targets (``dst``, the rows) are built on first use, or a range at a time (:meth:`targets`).
     """
 
     def __init__(self, edge_index: Tensor, num_nodes: int) -> None:
-        # one int64 key per edge, sorted in place: no argsort index and no gathered copies (at 64M edges the
-        # peak stays near the keys and the two output columns)
+        # one int64 key per edge, sorted in place, then turned into the sources in place: no argsort index and no
+        # gathered copies (beside the input, the peak is the keys alone)
         keys = edge_index[1].long() * num_nodes
         keys += edge_index[0]
         keys.numpy().sort()  # in place (equal keys are the same edge, so any order of them will do)
         self.num_nodes = num_nodes
-        self.src = keys % num_nodes
-        keys //= num_nodes
-        self.dst = keys
-        self.deg = torch.bincount(self.dst, minlength=num_nodes)
+        self.deg = torch.zeros(num_nodes, dtype=torch.long)
+        for start in range(0, keys.numel(), _CHUNK):
+            self.deg += torch.bincount(keys[start:start + _CHUNK] // num_nodes, minlength=num_nodes)
+        keys %= num_nodes
+        self.src = keys
         self.rowptr = torch.zeros(num_nodes + 1, dtype=torch.long)
         self.rowptr[1:] = torch.cumsum(self.deg, 0)
         self.local = torch.full((num_nodes,), -1, dtype=torch.long)  # scratch global -> local map, kept all -1
+
+    @cached_property
+    def dst(self) -> Tensor:
+        """The target of every edge, held once built (8 bytes an edge: ``targets`` reads a range without it)."""
+        return torch.repeat_interleave(torch.arange(self.num_nodes), self.deg)
+
+    def targets(self, start: int, end: int) -> Tensor:
+        """The target (row) of each CSR position in ``start:end``, built from the row pointers alone."""
+        if end <= start:
+            return torch.empty(0, dtype=torch.long)
+        first = int(torch.searchsorted(self.rowptr, torch.tensor(start), right=True)) - 1
+        last = int(torch.searchsorted(self.rowptr, torch.tensor(end - 1), right=True)) - 1
+        counts = self.rowptr[first + 1:last + 2].clamp(max=end) - self.rowptr[first:last + 1].clamp(min=start)
+        return torch.repeat_interleave(torch.arange(first, last + 1), counts)
+
+    @contextlib.contextmanager
+    def sources_on_disk(self) -> Iterator[None]:
+        """Within the block ``src`` waits in a temporary file, not in memory (8 bytes an edge), then is read back."""
+        with tempfile.TemporaryFile() as file:
+            np.save(file, self.src.numpy(), allow_pickle=False)
+            del self.src
+            try:
+                yield
+            finally:
+                file.seek(0)
+                self.src = torch.from_numpy(np.load(file, allow_pickle=False))
 
     def rows(self, nodes: Tensor) -> tuple[Tensor, Tensor]:
         """CSR positions of all in-edges of ``nodes`` (row by row) and, for each, its row's index in ``nodes``."""
@@ -132,15 +165,25 @@ def metis_partition(adj: InEdges, num_parts: int, seed: int) -> Tensor:
     METIS holds ~120 bytes per adjacency entry while it coarsens (measured: 7.8 GB for 64M entries), so
     above :data:`METIS_MAX_EDGES` it partitions a fixed, seeded sample of the undirected edges instead
     (both directions of an edge kept or dropped together): every node is still partitioned, with its
-    degree roughly thinned to fit.
+    degree roughly thinned to fit. While METIS runs on a sample, ``adj``'s sources wait on disk.
     """
     if num_parts == 1:
         return torch.zeros(adj.num_nodes, dtype=torch.long)
     starts, adjacency = _metis_input(adj, seed)
+    sampled = adjacency is not adj.src
     graph = pymetis.CSRAdjacency(starts.numpy(), adjacency.numpy())
     del starts, adjacency
-    _, parts = pymetis.part_graph(num_parts, adjacency=graph, options=pymetis.Options(seed=seed % 2**31))
+    with adj.sources_on_disk() if sampled else contextlib.nullcontext():
+        _trim_heap()
+        _, parts = pymetis.part_graph(num_parts, adjacency=graph, options=pymetis.Options(seed=seed % 2**31))
     return torch.from_numpy(np.asarray(parts, dtype=np.int64))
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc keeps those of arrays freed below a live one), so that
+    METIS's peak does not stack on them; nothing where the C library has no ``malloc_trim``."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # TypeError: no CDLL(None) on Windows
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _metis_input(adj: InEdges, seed: int) -> tuple[Tensor, Tensor]:
@@ -152,18 +195,35 @@ def _metis_input(adj: InEdges, seed: int) -> tuple[Tensor, Tensor]:
     threshold = int(keep_fraction * (1 << 30))
     salt = stream_seed(seed, _METIS_SAMPLE_STREAM) >> 2  # fits an int64 sum
     keep = torch.empty(entries, dtype=torch.bool)
+    kept_per_row = torch.zeros(adj.num_nodes, dtype=torch.long)
     for start in range(0, entries, _CHUNK):
-        src, dst = adj.src[start:start + _CHUNK], adj.dst[start:start + _CHUNK]
-        keep[start:start + _CHUNK] = src != dst
+        end = min(start + _CHUNK, entries)
+        src, dst = adj.src[start:end], adj.targets(start, end)
+        chunk = src != dst
         if keep_fraction < 1.0:  # one hash per undirected pair: (u, v) and (v, u) agree
             pair = torch.minimum(src, dst) * adj.num_nodes + torch.maximum(src, dst)
             mixed = (pair + salt) * _GOLDEN  # wraps mod 2^64; its high bits are well mixed
-            keep[start:start + _CHUNK] &= ((mixed >> 33) & ((1 << 30) - 1)) < threshold
+            chunk &= ((mixed >> 33) & ((1 << 30) - 1)) < threshold
+            del pair, mixed
+        keep[start:end] = chunk
+        kept_per_row += torch.bincount(dst[chunk], minlength=adj.num_nodes)
     if bool(keep.all()):
         return adj.rowptr, adj.src
     starts = torch.zeros(adj.num_nodes + 1, dtype=torch.long)
-    starts[1:] = torch.cumsum(torch.bincount(adj.dst[keep], minlength=adj.num_nodes), 0)
+    starts[1:] = torch.cumsum(kept_per_row, 0)
     return starts, adj.src[keep]
+
+
+def cut_edges(adj: InEdges, parts: Tensor, num_parts: int) -> Tensor:
+    """Per part, the edges with exactly one endpoint in it (counted a chunk of edges at a time)."""
+    cut = torch.zeros(num_parts, dtype=torch.long)
+    for start in range(0, adj.src.numel(), _CHUNK):
+        end = min(start + _CHUNK, adj.src.numel())
+        src_part, dst_part = parts[adj.src[start:end]], parts[adj.targets(start, end)]
+        cross = src_part != dst_part
+        cut += torch.bincount(dst_part[cross], minlength=num_parts)
+        cut += torch.bincount(src_part[cross], minlength=num_parts)
+    return cut
 
 
 def label_balanced_partition(adj: InEdges, num_parts: int, seed: int, labels: Tensor) -> Tensor:

@@ -58,7 +58,7 @@ from ladle.graph.inputs import (
     graph_inputs,
     use_sparse_features,
 )
-from ladle.graph.partition import InEdges, part_subgraph
+from ladle.graph.partition import InEdges, cut_edges, part_subgraph
 from ladle.graph.sparse import CSRRows, SparseMatrix
 from ladle.graph.views import FullView, IngredientView, build_view
 
@@ -408,12 +408,8 @@ def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: 
     Nodes keep their global order and edges their CSR order, so part ``k`` is exactly
     :class:`~ladle.graph.views.PartitionView` ``k``'s eval graph.
     """
-    edge_part = parts[adj.dst]
-    cross = parts[adj.src] != edge_part
-    cut = (torch.bincount(edge_part[cross], minlength=num_parts)
-           + torch.bincount(parts[adj.src][cross], minlength=num_parts))
-    total_cut = int(cross.sum())
-    del cross, edge_part
+    cut = cut_edges(adj, parts, num_parts)
+    total_cut = int(cut.sum()) // 2  # a cut edge counts in both its parts
     empty = (torch.bincount(parts, minlength=num_parts) == 0).nonzero().view(-1)
     if empty.numel():
         raise LadleError(f"view.kind={common['view']} left part {int(empty[0])} of {num_parts} empty; "
