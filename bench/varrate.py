@@ -23,11 +23,14 @@ Bytes are every payload byte sent, summed over ranks, collectives counted as rin
 (``ladle.core.collectives``): training halo, gradient all-reduce, the exact evaluation halo (every ``--eval-every``
 epochs), metric reductions and setup.
 
-Run specs (``--runs``) are ``schedule[:rate][/compressor][+ef][+select=F]``: ``full``, ``none``, ``fixed:16``,
+Run specs (``--runs``) are ``schedule[:rate][/compressor][+ef][+select=F][+tail=N][+nocache][+bf16]``: ``full``, ``none``, ``fixed:16``,
 ``linear`` (``--rate-max`` to 1 over ``--rate-fraction`` of the epochs, then 1), ``step``,
 ``linear/int8``, ``adaptive`` (halves from ``--rate-max`` when the training loss stalls for ``--rate-patience``
-epochs), ``fixed:64+ef`` (error feedback), ``full+select=0.1`` (a tenth of the boundary rows a step). The soup's bytes are the final gather of K models (K x model size); it sends nothing
-while training.
+epochs), ``fixed:64+ef`` (error feedback), ``full+select=0.1`` (a tenth of the boundary rows a step),
+``none+tail=23`` (the last 23 epochs exact), ``full+nocache`` (the first layer exchanges its projection every
+step instead of fetching the halo's inputs once), ``adaptive/mask+bf16`` (bfloat16 gradient all-reduce). A spec
+without a compressor truncates. The soup's bytes are the final gather of K models (K x model size); it sends
+nothing while training.
 """
 from __future__ import annotations
 
@@ -94,12 +97,14 @@ def resolve_graph(dataset: str, partition: str | None) -> tuple[str, str, str]:
 @dataclass(frozen=True)
 class Modifiers:
     """A run spec's ``+`` modifiers: ``+ef`` (error feedback), ``+select=F``, ``+tail=N`` (the last N epochs
-    exact) and ``+nocache`` (the first layer exchanges its projected halo every step)."""
+    exact), ``+nocache`` (the first layer exchanges its projected halo every step) and ``+bf16`` (bfloat16
+    gradient all-reduce)."""
 
     error_feedback: bool = False
     select: float = 1.0
     tail: int = 0
     cache_inputs: bool = True
+    gradients: str = "float32"  # bench specs keep float32 unless +bf16, so earlier specs mean what they meant
 
 
 def parse_modifiers(spec: str) -> Modifiers:
@@ -111,13 +116,15 @@ def parse_modifiers(spec: str) -> Modifiers:
             found["error_feedback"] = True
         elif (name, bool(value)) == ("nocache", False):
             found["cache_inputs"] = False
+        elif (name, bool(value)) == ("bf16", False):
+            found["gradients"] = "bfloat16"
         elif name in ("select", "tail") and value:
             try:
                 found[name] = float(value) if name == "select" else int(value)
             except ValueError:
                 raise LadleError(f"run {spec!r}: {name}= needs a number, got {value!r}") from None
         else:
-            raise LadleError(f"run {spec!r}: unknown modifier +{modifier} (+ef, +select=F, +tail=N or +nocache)")
+            raise LadleError(f"run {spec!r}: unknown modifier +{modifier} (+ef, +select=F, +tail=N, +nocache or +bf16)")
     return Modifiers(**found)
 
 
@@ -162,7 +169,7 @@ def run_schedules(recipe: Recipe, specs: list[str], workers: int, partition: str
         run_dir.mkdir(parents=True, exist_ok=True)
         jobs.append((VarrateOptions(workers, partition, schedule, compressor, "cpu", 300.0, threads, eval_every,
                                     error_feedback=modifiers.error_feedback, select=modifiers.select,
-                                    cache_inputs=modifiers.cache_inputs), run_dir))
+                                    cache_inputs=modifiers.cache_inputs, gradients=modifiers.gradients), run_dir))
     torch.multiprocessing.start_processes(_bench_rank, args=(workers, free_port(), recipe.to_dict(), jobs, data_root),
                                           nprocs=workers, start_method="spawn")
     return [json.loads((run_dir / "varrate.json").read_text()) for _, run_dir in jobs]

@@ -72,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="raw JSONs written by bench/varrate.py")
     parser.add_argument("--plot", type=Path, help="write the Pareto plot here (PNG)")
-    parser.add_argument("--title", default="", help="the plot's title (the number of seeds is added)")
+    parser.add_argument("--title", default="", help="the plot's title (the most seeds of a run is added)")
     args = parser.parse_args(argv)
     entries = mean_entries(args.files)
     print(markdown(entries))
     if args.plot:
-        plot(entries, f"{args.title} ({len(args.files)} seeds)".strip(), args.plot)
+        seeds = max(e["seeds"] for e in entries)
+        plot(entries, f"{args.title} ({seeds} seeds)".strip(), args.plot)
         print(f"plot: {args.plot}")
     return 0
 

@@ -262,6 +262,14 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
     torch.manual_seed(0)
     exchanged = partition_forward(build_model(recipe, 4, 3), shard.x, shard.plan,
                                   HaloExchange(shard.plan, Truncate(), 1.0, 0, 0, Traffic()))
+    bf16 = {}
+    for dtype in (torch.float32, torch.bfloat16):  # one gradient all-reduce each way
+        torch.manual_seed(0)
+        model = build_model(recipe, 4, 3)
+        partition_loss(partition_forward(model, shard.x, shard.plan, None), shard).backward()
+        reduced = Traffic()
+        allreduce_gradients(model, reduced, dtype)
+        bf16[str(dtype)] = (reduced.allreduce, [p.grad for p in model.parameters()])
     inputs = {"bytes": shard.input_bytes, "forward": traffic.forward_halo, "halo": shard.inputs[shard.plan.owned.numel():],
               "equal": torch.allclose(cached, exchanged, atol=1e-6)}
 
@@ -282,7 +290,7 @@ def _count_bytes(rank: int, world: int, out: Path) -> None:
                                                        payload, plan.recv_counts, plan.send_counts)
         (compressor.decode(received, 8, 4.0, key) * weight).sum().backward()
         gradients[compressor.name] = (ours, rows.grad.clone())
-    torch.save({"counts": counts, "gradients": gradients, "inputs": inputs}, out / f"bytes-{rank}.pt")
+    torch.save({"counts": counts, "gradients": gradients, "inputs": inputs, "bf16": bf16}, out / f"bytes-{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +379,13 @@ def test_bytes_match_the_hand_count(two_ranks: Path) -> None:
     for sent, result, halo in ((1, rank0, [3, 4]), (2, rank1, [2])):
         assert result["inputs"]["bytes"] == sent * 4 * 4 and result["inputs"]["forward"] == sent * 12
         assert torch.equal(result["inputs"]["halo"], data.x[halo]) and result["inputs"]["equal"]
+        # a bfloat16 all-reduce: half the bytes (67 parameters, 2 bytes each: 134 on 2 ranks), float32 gradients
+        # within bfloat16's rounding (8 bits of mantissa, per rank's share and on the sum) of the float32 all-reduce's
+        (full_bytes, full_grads), (half_bytes, half_grads) = result["bf16"].values()
+        assert (full_bytes, half_bytes) == (268, 134)
+        for exact, rounded in zip(full_grads, half_grads):
+            assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
+            assert torch.allclose(rounded, exact, rtol=2 ** -7, atol=2 ** -7 * float(exact.abs().max()))
     for result in (rank0, rank1):
         for name, (ours, reference) in result["gradients"].items():
             assert torch.allclose(ours, reference, atol=1e-6), name
@@ -407,9 +422,9 @@ def _input_halo_bytes(data: Data, partition: str, world: int) -> int:
 def _assert_byte_totals(meta: dict, data: Data) -> None:
     """Every part of ``bytes`` by its formula (ring collectives, summed over ranks), and the total their sum."""
     sent, world, epochs = meta["bytes"], meta["workers"], meta["epochs_run"]
-    params = meta["model_bytes"] // 4
-    assert sent["allreduce"] == epochs * sum(ring_allreduce_bytes(params, 4, world, r) for r in range(world))
-    assert sent["allreduce"] == epochs * 2 * (world - 1) * meta["model_bytes"]
+    params, size = meta["model_bytes"] // 4, {"float32": 4, "bfloat16": 2}[meta["gradients"]]
+    assert sent["allreduce"] == epochs * sum(ring_allreduce_bytes(params, size, world, r) for r in range(world))
+    assert sent["allreduce"] == epochs * 2 * (world - 1) * params * size
     evaluated = [row for row in meta["history"] if row["val_acc"] is not None]
     assert [row["epoch"] for row in evaluated] == [e for e in range(epochs)
                                                    if (e + 1) % meta["eval_every"] == 0 or e + 1 == epochs]

@@ -251,12 +251,15 @@ def test_cli_rejects_bad_new_options(data_root: Path) -> None:
         varrate_main(["--data-root", str(data_root), "--select", "half"])
 
 
-def test_the_measured_default_is_adaptive_mask_with_cached_inputs() -> None:
-    """bench/RESULTS.md chose it on csbm and Physics (3 seeds each); the library's options agree with the CLI."""
+def test_the_measured_default_is_adaptive_mask_with_cached_inputs_and_bfloat16_gradients() -> None:
+    """bench/RESULTS.md chose it on csbm and Physics (3 seeds each), with bfloat16 gradient all-reduces; the
+    library's options agree with the CLI."""
     args = build_parser().parse_args([])
-    assert (args.schedule, args.compress, args.cache_inputs, args.exact_tail) == ("adaptive", "mask", True, 0)
+    assert (args.schedule, args.compress, args.cache_inputs, args.exact_tail, args.gradients) == (
+        "adaptive", "mask", True, 0, "bfloat16")
     options = VarrateOptions()
-    assert (options.schedule.kind, options.compressor, options.cache_inputs) == ("adaptive", "mask", True)
+    assert (options.schedule.kind, options.compressor, options.cache_inputs, options.gradients) == (
+        "adaptive", "mask", True, "bfloat16")
 
 
 def test_bench_run_specs_take_memory_modifiers() -> None:
@@ -266,9 +269,10 @@ def test_bench_run_specs_take_memory_modifiers() -> None:
     assert parse_modifiers(spec) == Modifiers(error_feedback=True, select=0.25)
     assert parse_modifiers("linear/int8") == Modifiers()
     assert parse_modifiers("none+tail=23+nocache") == Modifiers(tail=23, cache_inputs=False)
+    assert parse_modifiers("adaptive/mask+bf16") == Modifiers(gradients="bfloat16")
     assert parse_run("none+tail=23", 64.0)[1].tail == 23
     assert parse_run("adaptive", 32.0, patience=4)[1].patience == 4
-    for bad in ("full+select=x", "full+select", "full+foo", "fixed:8/int8+ef=1", "none+tail=x", "full+nocache=1"):
+    for bad in ("full+select=x", "full+select", "full+foo", "fixed:8/int8+ef=1", "none+tail=x", "full+nocache=1", "full+bf16=1"):
         with pytest.raises(LadleError, match="run "):
             parse_modifiers(bad)
 
@@ -457,10 +461,12 @@ def test_early_stopping_waits_for_the_final_ratio(data_root: Path, tmp_path: Pat
 
 def test_cli_none_with_an_exact_tail(data_root: Path, cora_data: Data, tmp_path: Path) -> None:
     """``--schedule none --exact-tail 5``: 15 epochs on the induced subgraphs (no halo byte), then 5 exact ones in
-    which only the second layer exchanges (the halo's inputs were fetched once, as setup); accuracy above 0.75."""
+    which only the second layer exchanges (the halo's inputs were fetched once, as setup); accuracy above 0.75.
+    ``--gradients bfloat16``: the all-reduce sends 2 bytes a parameter."""
     meta = _run(data_root, tmp_path / "run", "--schedule", "none", "--exact-tail", "5", "--eval-every", "5",
-                "epochs=20")
+                "--gradients", "bfloat16", "epochs=20")
     assert meta["schedule"]["tail"] == 5 and meta["cache_inputs"] is True and meta["test_acc"] > 0.75
+    assert meta["gradients"] == "bfloat16" and meta["bytes"]["allreduce"] == 20 * 2 * (2 - 1) * meta["model_bytes"] // 2
     assert [row["rate"] for row in meta["history"]] == [None] * 15 + [1.0] * 5
     rows = sum(sum(c) for c in _boundary_rows(cora_data))
     assert [row["forward_halo"] for row in meta["history"]] == [0] * 15 + [rows * 4 * cora_data.num_classes] * 5

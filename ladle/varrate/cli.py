@@ -16,7 +16,7 @@ from ladle.varrate.compression import (
     build_compressor,
 )
 from ladle.varrate.ranks import run_spawned, run_torchrun
-from ladle.varrate.trainer import EVAL_EVERY, VarrateOptions
+from ladle.varrate.trainer import EVAL_EVERY, GRADIENT_DTYPES, VarrateOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-input-cache", dest="cache_inputs", action="store_false",
                         help="exchange the first layer's projected halo rows every step, forward and back, instead "
                              "of fetching the halo's input features once at setup (the authors' scheme)")
+    parser.add_argument("--gradients", default="bfloat16", choices=tuple(GRADIENT_DTYPES),
+                        help="dtype of the gradient all-reduce (default bfloat16: half float32's bytes, as DDP's "
+                             "bf16 compress hook; float32 sums exactly)")
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY,
                         help=f"epochs between exact (uncompressed) evaluations, and the last epoch (default {EVAL_EVERY})")
     parser.add_argument("--run-dir", type=Path, help="output folder (default checkpoints/varrate-<schedule>-<time>)")
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = 0 if under_torchrun else 4
     options = VarrateOptions(ranks, args.partition, schedule, args.compress, args.device, args.timeout,
                              args.threads, args.eval_every, tuple(args.log), args.error_feedback, args.select,
-                             args.cache_inputs)
+                             args.cache_inputs, args.gradients)
     if under_torchrun:
         meta = run_torchrun(recipe, options, args.run_dir, args.data_root)
     else:

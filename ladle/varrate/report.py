@@ -25,6 +25,8 @@ def report_entry(meta: dict[str, Any]) -> dict[str, Any]:
         extras.append(f"select {meta['select']:g}")
     if schedule.get("tail"):
         extras.append(f"exact last {schedule['tail']}")
+    if meta.get("gradients", "float32") != "float32":
+        extras.append(f"{meta['gradients']} gradients")
     if not meta.get("cache_inputs", False):
         extras.append("inputs exchanged every step")
     if extras:
