@@ -107,17 +107,17 @@ class Modifiers:
     gradients: str = "float32"  # bench specs keep float32 unless +bf16, so earlier specs mean what they meant
 
 
+FLAGS = {"ef": ("error_feedback", True), "nocache": ("cache_inputs", False), "bf16": ("gradients", "bfloat16")}
+
+
 def parse_modifiers(spec: str) -> Modifiers:
     """``linear/int8+ef+select=0.5`` -> its :class:`Modifiers`."""
     found: dict[str, Any] = {}
     for modifier in spec.split("+")[1:]:
         name, _, value = modifier.partition("=")
-        if (name, bool(value)) == ("ef", False):
-            found["error_feedback"] = True
-        elif (name, bool(value)) == ("nocache", False):
-            found["cache_inputs"] = False
-        elif (name, bool(value)) == ("bf16", False):
-            found["gradients"] = "bfloat16"
+        if name in FLAGS and not value:
+            field, setting = FLAGS[name]
+            found[field] = setting
         elif name in ("select", "tail") and value:
             try:
                 found[name] = float(value) if name == "select" else int(value)

@@ -211,6 +211,10 @@ class RateSchedule:
         """The ratio the schedule ends at (``None`` for ``none`` without an exact tail)."""
         return 1.0 if self.tail else self._last()
 
+    def in_tail(self, epoch: int, epochs: int) -> bool:
+        """Whether ``epoch`` of ``epochs`` is one of the exact last ``tail``."""
+        return epoch >= epochs - self.tail
+
     def _last(self) -> float | None:
         """The ratio the schedule itself ends at, before any exact tail."""
         if self.kind == "none":
@@ -226,7 +230,7 @@ class RateSchedule:
         (:class:`RateController`)."""
         if self.kind == "adaptive":
             raise ValueError("the adaptive ratio follows the training loss: use RateController")
-        if epoch >= epochs - self.tail:
+        if self.in_tail(epoch, epochs):
             return 1.0
         if self.kind in ("none", "full", "fixed"):
             return self._last()
@@ -272,7 +276,7 @@ class RateController:
         if schedule.kind != "adaptive":
             rate = schedule.rate(epoch, self.epochs)
         else:
-            rate = 1.0 if epoch >= self.epochs - schedule.tail else self.current
+            rate = 1.0 if schedule.in_tail(epoch, self.epochs) else self.current
         if self.settled is None and rate == self.schedule.final():
             self.settled = epoch
         return rate

@@ -127,6 +127,8 @@ class RankData:
         ``x``: this rank's own rows, dense."""
         sparse = isinstance(self.x, SparseMatrix)
         self.inputs, self.input_bytes = fetch_input_halo(x.to(self.y.device), self.plan, sparse)
+        if not sparse:  # dense: the own rows are the first rows of the inputs, held once
+            self.x = self.inputs[: self.plan.owned.numel()]
 
 
 def partition_loss(logits: Tensor, part: RankData) -> Tensor:
