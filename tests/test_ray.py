@@ -115,6 +115,39 @@ def test_a_node_without_the_drivers_shards_prepares_the_same(data_root: Path, tm
         node_shards(tampered, metis, str(data_root))
 
 
+SHIPPING_DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])  # on the driver's path only: Ray gives its workers the driver's folder, not this
+from their_gnn import MeanGNN
+import ladle
+from ladle.core.recipe import load_recipe
+run = ladle.train_ingredients(load_recipe(None, sys.argv[4:]), 2, run_dir=sys.argv[3], data_root=sys.argv[2],
+                              backend="ray", model=MeanGNN)
+assert not run.failed, run.failed
+"""
+
+
+def test_your_model_is_shipped_to_the_nodes(data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model class from a module only the driver can import (not installed, not in Ray's workers' path) trains
+    on a Ray cluster ladle starts as on the local backend: ladle ships its module with the job."""
+    pytest.importorskip("ray")
+    user_code = tmp_path / "user-code"
+    user_code.mkdir()
+    (user_code / "their_gnn.py").write_text((Path(__file__).parents[1] / "notebooks" / "my_gnn.py").read_text())
+    subprocess.run([sys.executable, "-c", SHIPPING_DRIVER, str(user_code), str(data_root), str(tmp_path / "ray"),
+                    *OVERRIDES], cwd=tmp_path, check=True, timeout=300)
+    monkeypatch.syspath_prepend(str(user_code))
+    from their_gnn import MeanGNN
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ladle.train.launch.available_cores", lambda: 1)
+        local = train_ingredients(load_recipe(None, OVERRIDES), 2, workers=1, run_dir=tmp_path / "local",
+                                  data_root=data_root, model=MeanGNN)
+    for meta in local.ingredients:
+        ours, theirs = (load_state(folder / f"{meta['name']}.safetensors") for folder in (tmp_path / "ray", local.run_dir))
+        assert ours.keys() == theirs.keys() and all(key.startswith("module.") for key in ours)
+        assert all(torch.equal(ours[key], theirs[key]) for key in theirs), meta["name"]
+
+
 def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:
     """A NaN loss fails its ingredient at once (a retry would fail the same way); the run records it."""
     exploding = load_recipe(None, [*OVERRIDES, "lr=1.0e+30"])

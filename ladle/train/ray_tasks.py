@@ -14,6 +14,11 @@ which must then be on storage every node sees. With ``gather`` the task trains i
 of its own node and returns every file it wrote there (checkpoint, metadata, training curves); the
 driver writes them into the run directory (atomically).
 
+Your own model (``--model-class``): when ladle opens the Ray session, the top-level module or package of your
+class is shipped to every node (Ray's job ``runtime_env``, ``py_modules``), unless it is installed in the
+driver's environment (then every node must have it installed, as ladle itself). In a Ray session you opened
+yourself, pass it in your ``ray.init(runtime_env={"py_modules": [...]})``.
+
 Failures: a crashed worker and a raising task are retried up to ``MAX_RETRIES`` times; a NaN loss
 (``FloatingPointError``) or bad input (``LadleError``) would fail the same way again, so it is
 reported as that ingredient's failure at once.
@@ -34,6 +39,8 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,22 +181,29 @@ def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_
         return {"error": f"{type(error).__name__}: {error}"}, None
 
 
-def _connect(ray: Any, address: str | None) -> bool:
-    """Join the cluster at ``address``, or start a local one; True when this call initialised Ray.
+def _connect(ray: Any, address: str | None, code: list[str]) -> bool:
+    """Join the cluster at ``address``, or start a local one, shipping ``code`` (:func:`_model_code`) to its
+    nodes; True when this call initialised Ray.
 
     A Ray session the caller already opened is reused as it is.
     """
     if ray.is_initialized():
         log.info("using the Ray session already open in this process")
+        if code:
+            log.warning("your model's code (%s) must be importable on every Ray node: ladle ships it only in a "
+                        "session it opens", ", ".join(code))
         return False
+    runtime_env = {"py_modules": code} if code else None
+    if code:
+        log.info("shipping your model's code to the Ray nodes: %s", ", ".join(code))
     try:
         if address is None:
             cores = available_cores()
             log.info("starting a local Ray cluster with %d CPUs", cores)
             # "local": never join a cluster found via RAY_ADDRESS or a stale ray start; no dashboard for a throwaway one
-            ray.init(address="local", num_cpus=cores, include_dashboard=False)
+            ray.init(address="local", num_cpus=cores, include_dashboard=False, runtime_env=runtime_env)
         else:
-            ray.init(address=address)
+            ray.init(address=address, runtime_env=runtime_env)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise LadleError(
@@ -197,6 +211,23 @@ def _connect(ray: Any, address: str | None) -> bool:
             "a cluster with token auth needs RAY_AUTH_MODE=token and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
         ) from None
     return True
+
+
+def _model_code(tasks: list[IngredientTask]) -> list[str]:
+    """The file (a module) or folder (a package) of the top-level module holding the tasks' own model class, for
+    Ray to ship to every node; none for ladle's built-in models or a class from an installed package."""
+    classes = {task.model_class for task in tasks if task.model_class is not None}
+    installed = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    paths: set[str] = set()
+    for model_class in classes:
+        top = sys.modules.get(getattr(model_class, "__module__", "").partition(".")[0])
+        source = getattr(top, "__file__", None)
+        if top is None or source is None or top.__name__ in ("__main__", "ladle"):
+            continue
+        path = Path(source).resolve()
+        if not any(folder in path.parents for folder in installed):
+            paths.add(str(path.parent if path.name == "__init__.py" else path))
+    return sorted(paths)
 
 
 def _check_resources(ray: Any, cpus: float, gpus: float) -> None:
@@ -236,7 +267,7 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_
         log.warning("each ingredient reserves %g GPUs but trains on the CPU (pass --device cuda to use them)", gpus)
     fault = _parse_fault(os.environ.get(FAULT_ENV))
 
-    started = _connect(ray, options.get("address"))
+    started = _connect(ray, options.get("address"), _model_code(tasks))
     try:
         _check_resources(ray, cpus, gpus)
         shared = [task for task in tasks if task.init == "shared"]
