@@ -18,13 +18,14 @@ from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state
 from ladle.graph.inputs import graph_inputs
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
+from ladle.graph.sparse import SparseMatrix
 from ladle.graph.views import batch_graph, build_view
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.models import build_model
 from ladle.nn.scoring import recompute_batch_norm
 from ladle.prepare import main as prepare_main
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import train_task
+from ladle.train.loop import BatchInputs, train_task
 from ladle.train.task import IngredientTask
 
 METIS_2 = ["view.kind=metis", "epochs=100"]
@@ -177,3 +178,29 @@ def test_sampled_batches_read_bag_of_words_features_from_their_non_zeros(data_ro
     shard.data.feature_rows = rows
     batch = batch_graph(shard.data, nodes, torch.empty(2, 0, dtype=torch.long), torch.ones(5, dtype=torch.bool))
     assert torch.equal(batch.x, shard.data.x[nodes])
+    sparse = rows.sparse(nodes)  # the same rows as a sparse matrix, from their non-zeros alone
+    assert torch.equal(sparse.csr.to_dense(), shard.data.x[nodes]) and torch.equal(sparse.csr_t.to_dense(),
+                                                                                  shard.data.x[nodes].T)
+
+
+@pytest.mark.parametrize("parts_per_batch", [4, 32])  # Cora: 4 of 32 parts is a dense batch, all 32 a sparse one
+def test_a_sampled_batch_takes_its_features_from_the_whole_graphs_sparse_rows(data_root: Path,
+                                                                             parts_per_batch: int) -> None:
+    """The batch inputs are those of a batch carrying its dense features (sparse or dense alike), and the view
+    stops building dense features for its batches."""
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=cluster", f"view.parts_per_batch={parts_per_batch}"])
+    shard = load_shard(prepare_shards(recipe, 2, data_root).graph())
+    shard.data.feature_rows = shard.feature_rows()
+    whole = shard.inputs("gcn")
+    view = build_view(shard.data, recipe.view, 0, 2, recipe.seed)
+    reference = [graph_inputs(batch, "gcn") for batch in view.batches(0)]
+    inputs = BatchInputs(view, whole, "gcn", "cpu")
+    assert isinstance(whole.x, SparseMatrix) and not view.batch_features
+    batches = list(view.batches(0))
+    assert all(batch.x is None for batch in batches)
+    for batch, expected in zip(batches, reference, strict=True):
+        got = inputs(batch)
+        assert type(got.x) is type(expected.x) is (SparseMatrix if parts_per_batch == 32 else torch.Tensor)
+        dense = (lambda x: x.csr.to_dense() if isinstance(x, SparseMatrix) else x)
+        assert torch.equal(dense(got.x), dense(expected.x)) and torch.equal(got.adj.csr.to_dense(),
+                                                                            expected.adj.csr.to_dense())

@@ -3,6 +3,7 @@ bitwise-identically, no trunk is today's run, keys are validated, and the report
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,13 @@ import torch
 from conftest import TRUNKLESS, run_in_process, train_then_kill
 
 from ladle.core.recipe import load_recipe
+from ladle.core.rundir import CONTINUED, TRUNK
 from ladle.core.storage import load_state, save_state
 from ladle.nn.models import build_model
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import MIN_SELECTION_NODES, train_task
-from ladle.train.task import IngredientTask
+from ladle.train.loop import MIN_SELECTION_NODES, plan, train_task
+from ladle.train.task import INGREDIENT, IngredientTask
 
 # A branch learning rate so small that Adam's steps vanish below float32 resolution: branches end where they start.
 FROZEN_BRANCHES = ["trunk.epochs=5", "epochs=2", "branch.lr=1e-30", "branch.keep=last", "soup.method=gis"]
@@ -72,12 +74,23 @@ def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:
     assert "trunk" not in json.loads((tmp_path / "run" / "run.json").read_text())
     meta = run.ingredients[0]
     assert meta["start"] == "shared" and meta["keep"] == "best"
-    assert meta["plan"] == {"epochs": 3, "lr": 0.01, "schedule": "constant", "keep": "best", "patience": 100}
+    assert meta["plan"] == {"epochs": 3, "lr": 0.01, "schedule": "constant", "keep": "best", "patience": 100,
+                            "warmup": 0}
     report = soup_run(tmp_path / "run", data_root=data_root)
     assert report["basin"]["start"] == "init" and len(report["basin"]["steps"]) == 1
     assert all(ref["name"] != "trunk" for ref in report["references"])
     best = max(report["ingredients"], key=lambda row: (row["val_acc"], -row["val_loss"]))["name"]
     assert report["soups"][0]["kept"][0] == best
+
+
+def test_branch_warmup_rises_linearly_into_the_schedule_for_branches_and_the_trunk_continued(tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["branch.warmup=4", "branch.schedule=cos", "epochs=100", "lr=0.01"])
+    for role in (INGREDIENT, CONTINUED):
+        schedule = plan(recipe, IngredientTask(0 if role == INGREDIENT else None, 2, tmp_path, "shared", role=role))
+        assert [schedule.lr_at(epoch) for epoch in range(4)] == pytest.approx(
+            [0.005 * (1 + math.cos(math.pi * e / 100)) * (e + 1) / 5 for e in range(4)])
+        assert schedule.lr_at(4) == pytest.approx(0.005 * (1 + math.cos(math.pi * 4 / 100)))
+    assert plan(recipe, IngredientTask(None, 2, tmp_path, "shared", role=TRUNK)).lr_at(0) == 0.01  # not the trunk
 
 
 def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_path: Path) -> None:
@@ -97,6 +110,7 @@ def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_
     ("branch.schedule=linear", "branch.schedule must be one of constant, cos; got 'linear'"),
     ("branch.keep=first", "branch.keep must be one of best, last, swa; got 'first'"),
     ("branch.lr=0", "branch.lr must be finite and > 0"),
+    ("branch.warmup=-1", "branch.warmup must be >= 0 epochs, got -1"),
     ("trunk.depth=2", "unknown recipe key 'trunk.depth'"),
 ])
 def test_bad_trunk_and_branch_keys_exit_2_naming_the_key(override: str, message: str, tmp_path: Path) -> None:

@@ -78,14 +78,17 @@ class BranchConfig:
     """How each ingredient trains from its start (the trunk, or the shared init): recipe section ``branch``.
 
     ``lr``: null means the recipe's ``lr``; ``schedule``: ``constant`` or ``cos`` (cosine decay to 0 over
-    ``epochs``); ``keep``: ``best`` validation (early stopping after ``patience``), ``last``, or ``swa``
-    (the mean of the weights after each epoch of the second half). Ingredients may differ in more than their
+    ``epochs``); ``warmup``: epochs over which the learning rate rises linearly to that schedule (a fresh
+    Adam's first steps move every weight by the full ``lr``, out of the trunk's basin); ``keep``: ``best``
+    validation (early stopping after ``patience``), ``last``, or ``swa`` (the mean of the weights after each
+    epoch of the second half). Ingredients may differ in more than their
     seed, as model soups' fine-tunes do: ingredient k trains with ``dropout[k % n]``, ``weight_decay[k % n]``
     and the learning rate times ``lr_scale[k % n]`` (each empty: the recipe's value for every ingredient).
     """
 
     lr: float | None = None
     schedule: str = "cos"
+    warmup: int = 0
     keep: str = "last"
     dropout: tuple[float, ...] = ()
     weight_decay: tuple[float, ...] = ()
@@ -104,6 +107,8 @@ class BranchConfig:
         if any(not (math.isfinite(s) and s > 0) for s in self.lr_scale):
             raise ValueError(f"branch.lr_scale values must be finite and > 0, got {list(self.lr_scale)}")
         _check_choice("branch.schedule", self.schedule, LR_SCHEDULES)
+        if self.warmup < 0:
+            raise ValueError(f"branch.warmup must be >= 0 epochs, got {self.warmup}")
         _check_choice("branch.keep", self.keep, BRANCH_KEEPS)
 
 

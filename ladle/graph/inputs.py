@@ -60,22 +60,30 @@ def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tenso
     return SparseMatrix(dst, src, value, (num_nodes, num_nodes))
 
 
+SPARSE_MIN_ENTRIES = 1 << 21  # below this many entries (nodes x features) a dense product is cheaper
+
+
 def use_sparse_features(x: Tensor, model: str) -> bool:
     """Large, wide, mostly-zero features (bag of words) go through a sparse product: 50-100x less work.
 
     Small batches stay dense: there, building the sparse matrix costs more than it saves.
     """
-    if model not in SPARSE_FEATURE_MODELS or x.dim() != 2 or x.size(1) < 256 or x.numel() < 1 << 21:
+    if model not in SPARSE_FEATURE_MODELS or x.dim() != 2 or x.size(1) < 256 or x.numel() < SPARSE_MIN_ENTRIES:
         return False
     sample = x[: min(x.size(0), 4096)]
     return bool(torch.count_nonzero(sample) < 0.05 * sample.numel())
 
 
-def graph_inputs(graph: Data, model: str, sparse_features: bool | None = None) -> GraphInputs:
-    """Build (once) the inputs of ``graph`` for ``model``: features and adjacency (normalised with the
-    graph's ``edge_weight`` and whole-graph ``degree`` where it carries them)."""
-    if sparse_features is None:
-        sparse_features = use_sparse_features(graph.x, model)
-    x: Features = SparseMatrix.from_dense(graph.x) if sparse_features else graph.x
+def graph_inputs(graph: Data, model: str, sparse_features: bool | None = None,
+                 features: Features | None = None) -> GraphInputs:
+    """Build (once) the inputs of ``graph`` for ``model``: features (``features`` when given, else from
+    ``graph.x``) and adjacency (normalised with the graph's ``edge_weight`` and whole-graph ``degree`` where it
+    carries them)."""
+    if features is not None:
+        x: Features = features
+    elif sparse_features if sparse_features is not None else use_sparse_features(graph.x, model):
+        x = SparseMatrix.from_dense(graph.x)
+    else:
+        x = graph.x
     adj = adjacency(graph.edge_index, graph.num_nodes, model, graph.get("edge_weight"), graph.get("degree"))
     return GraphInputs(x, adj, graph.num_nodes)

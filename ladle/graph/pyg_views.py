@@ -100,6 +100,7 @@ class PyGView:
     """A ladle view whose training batches one of PyG's loaders draws; the rest is the ladle view's."""
 
     static = False
+    batch_features = True
     loader: Iterable[Data]  # set by each subclass
 
     def __init__(self, base: IngredientView) -> None:
@@ -135,7 +136,7 @@ class PyGView:
         return self._batch(batch.n_id, batch.edge_index, self.data.train_mask[batch.n_id])
 
     def _batch(self, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Any) -> Data:
-        return batch_graph(self.data, nodes, edge_index, loss_mask, **extra)
+        return batch_graph(self.data, nodes, edge_index, loss_mask, self.batch_features, **extra)
 
 
 class _GivenPartitionClusterData(ClusterData):

@@ -83,13 +83,27 @@ class CSRRows:
     def __init__(self, rowptr: Tensor, col: Tensor, value: Tensor, shape: tuple[int, int]) -> None:
         self.rowptr, self.col, self.value, self.shape = rowptr, col, value, shape
 
-    def __call__(self, rows: Tensor) -> Tensor:
-        """``dense[rows]`` of the matrix, as a dense float tensor."""
+    @classmethod
+    def of(cls, matrix: SparseMatrix) -> CSRRows:
+        """The rows of a :class:`SparseMatrix`."""
+        csr = matrix.csr
+        return cls(csr.crow_indices(), csr.col_indices(), csr.values(), matrix.shape)
+
+    def _entries(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """For the non-zeros of ``rows``, in order: the position of their row in ``rows``, their offset in the arrays."""
         start, count = self.rowptr[rows], self.rowptr[rows + 1] - self.rowptr[rows]
-        total = int(count.sum())
         owner = torch.repeat_interleave(torch.arange(rows.numel()), count)
         first = torch.cumsum(count, 0) - count  # where each row's entries begin in the gathered arrays
-        offsets = start[owner] + torch.arange(total) - first[owner]
+        return owner, start[owner] + torch.arange(owner.numel()) - first[owner]
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        """``dense[rows]`` of the matrix, as a dense float tensor."""
+        owner, offsets = self._entries(rows)
         out = torch.zeros(rows.numel(), self.shape[1], dtype=self.value.dtype)
         out[owner, self.col[offsets]] = self.value[offsets]
         return out
+
+    def sparse(self, rows: Tensor) -> SparseMatrix:
+        """``dense[rows]`` as a :class:`SparseMatrix`, built from the rows' non-zeros alone."""
+        owner, offsets = self._entries(rows)
+        return SparseMatrix(owner, self.col[offsets], self.value[offsets], (rows.numel(), self.shape[1]))

@@ -66,13 +66,16 @@ def _chunks(num_items: int, chunk: int, steps: int, generator: torch.Generator) 
     return [group.unique() for group in order.split(chunk)]
 
 
-def batch_graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, **extra: Tensor | None) -> Data:
+def batch_graph(data: Data, nodes: Tensor, edge_index: Tensor, loss_mask: Tensor, features: bool = True,
+                **extra: Tensor | None) -> Data:
     """A batch over ``nodes`` (global ids) with local ``edge_index``; ``None`` extras are left out. A graph
     carrying ``feature_rows`` (:class:`~ladle.graph.sparse.CSRRows` of its bag-of-words features) gives the
-    batch's features from their non-zeros, so a worker never pages in the whole dense feature matrix."""
+    batch's features from their non-zeros, so a worker never pages in the whole dense feature matrix; without
+    ``features`` the batch has no ``x`` (its trainer takes the rows of ``n_id`` itself)."""
     rows = data.get("feature_rows")
-    return Data(x=rows(nodes) if rows is not None else data.x[nodes], y=data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(),
-                n_id=nodes, loss_mask=loss_mask, **extra)
+    x = None if not features else rows(nodes) if rows is not None else data.x[nodes]
+    return Data(x=x, y=data.y[nodes], edge_index=edge_index, num_nodes=nodes.numel(), n_id=nodes,
+                loss_mask=loss_mask, **extra)
 
 
 def _part_graph(data: Data, part: Part) -> Data:
@@ -95,10 +98,12 @@ class IngredientView:
     """What ingredient ``k`` of ``num_ingredients`` trains on (``batches``) and validates on (``eval_graph``).
 
     ``static`` views (full, metis, random) yield their eval graph as the single batch of every epoch,
-    so a trainer may cache its adjacency.
+    so a trainer may cache its adjacency. ``batch_features``: whether sampled batches carry their dense ``x``
+    (off when the trainer takes each batch's feature rows from the whole graph's sparse features).
     """
 
     static: bool = False
+    batch_features: bool = True
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
                  partition: Tensor | None = None, adj: InEdges | None = None) -> None:
@@ -225,7 +230,7 @@ class ClusterView(IngredientView):
         for group in groups:
             nodes = torch.cat([self.members[i] for i in group.tolist()]).sort().values
             edge_index, _ = self.adj.induced(nodes)
-            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes])
+            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes], self.batch_features)
 
 
 class SaintView(IngredientView):
@@ -322,8 +327,8 @@ class SaintView(IngredientView):
         for _ in range(self._steps):
             nodes = self._sample_nodes(generator)
             edge_index, positions = self.adj.induced(nodes)
-            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes],
-                         loss_weight=self.loss_weight[nodes], edge_weight=self.edge_weight[positions])
+            yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes], self.batch_features,
+                              loss_weight=self.loss_weight[nodes], edge_weight=self.edge_weight[positions])
 
 
 class NeighborView(IngredientView):
@@ -375,7 +380,7 @@ class NeighborView(IngredientView):
         n_id = torch.cat(nodes)
         local[n_id] = -1
         loss_mask = torch.arange(n_id.numel()) < seeds.numel()
-        batch = batch_graph(self.data, n_id, torch.cat(edges, dim=1), loss_mask)
+        batch = batch_graph(self.data, n_id, torch.cat(edges, dim=1), loss_mask, self.batch_features)
         batch.num_sampled_nodes = [part.numel() for part in nodes]
         batch.num_sampled_edges = [part.size(1) for part in edges]
         return batch

@@ -37,8 +37,9 @@ from ladle.core.storage import (
     save_state,
 )
 from ladle.core.weights import running_mean
-from ladle.graph.inputs import GraphInputs, graph_inputs
+from ladle.graph.inputs import SPARSE_MIN_ENTRIES, GraphInputs, graph_inputs
 from ladle.graph.pyg_views import with_sampler
+from ladle.graph.sparse import CSRRows, SparseMatrix
 from ladle.graph.views import IngredientView, build_view
 from ladle.nn.models import build_model
 from ladle.nn.scoring import Metrics, evaluate
@@ -91,15 +92,23 @@ def batch_loss(logits: Tensor, batch: Data) -> Tensor:
 
 class BatchInputs:
     """Model inputs of a view's batches: built once for static views (``whole`` itself when the batch is
-    that graph), every batch for sampled views."""
+    that graph), every batch for sampled views; a sampled batch of a graph whose features ``whole`` holds
+    sparse takes its rows' non-zeros from there (never scanning a dense batch for them)."""
 
     def __init__(self, view: IngredientView, whole: GraphInputs, model: str, device: torch.device | str) -> None:
         self.view, self.whole, self.model, self.device = view, whole, model, device
         self._static: GraphInputs | None = None
+        self._rows = (CSRRows.of(whole.x) if isinstance(whole.x, SparseMatrix) and whole.x.csr.device.type == "cpu"
+                      and whole.num_nodes == view.data.num_nodes else None)
+        if self._rows is not None:
+            view.batch_features = False
 
     def __call__(self, batch: Data) -> GraphInputs:
         if not self.view.static:
-            return graph_inputs(batch, self.model).to(self.device)
+            features = None if self._rows is None else (
+                self._rows.sparse(batch.n_id) if batch.num_nodes * self._rows.shape[1] >= SPARSE_MIN_ENTRIES
+                else self._rows(batch.n_id))
+            return graph_inputs(batch, self.model, features=features).to(self.device)
         if self._static is None:
             self._static = (self.whole if batch.num_nodes == self.whole.num_nodes
                             else graph_inputs(batch, self.model).to(self.device))
@@ -131,7 +140,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: Ingred
 @dataclass(frozen=True)
 class Plan:
     """How one model trains: ``epochs``, Adam's ``lr`` (``constant`` or ``cos``: decayed to 0 along a
-    half cosine), and the weights it ``keep``s: ``best`` validation (early stopping after ``patience``),
+    half cosine; the first ``warmup`` epochs scaled by (epoch + 1) / (warmup + 1)), and the weights it ``keep``s: ``best`` validation (early stopping after ``patience``),
     ``last``, or ``swa`` (the running mean of the weights after each epoch of the second half)."""
 
     epochs: int
@@ -139,12 +148,16 @@ class Plan:
     schedule: str
     keep: str
     patience: int
+    warmup: int = 0
 
     def lr_at(self, epoch: int) -> float:
         """The learning rate of ``epoch`` (0-based)."""
+        lr = self.lr
         if self.schedule == "cos":
-            return 0.5 * self.lr * (1.0 + math.cos(math.pi * epoch / self.epochs))
-        return self.lr
+            lr = 0.5 * lr * (1.0 + math.cos(math.pi * epoch / self.epochs))
+        if epoch < self.warmup:
+            lr *= (epoch + 1) / (self.warmup + 1)
+        return lr
 
     @property
     def swa_start(self) -> int:
@@ -161,7 +174,8 @@ def plan(recipe: Recipe, task: IngredientTask) -> Plan:
     if task.role == BASELINE:
         return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
     keep = "best" if task.role == CONTINUED else recipe.branch.keep
-    return Plan(recipe.epochs, task_settings(recipe, task).lr, recipe.branch.schedule, keep, recipe.patience)
+    return Plan(recipe.epochs, task_settings(recipe, task).lr, recipe.branch.schedule, keep, recipe.patience,
+                recipe.branch.warmup)
 
 
 def task_settings(recipe: Recipe, task: IngredientTask) -> IngredientSettings:
