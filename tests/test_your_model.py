@@ -9,14 +9,17 @@ import torch
 import torch.nn.functional as F
 from conftest import TRUNKLESS, run_in_process
 from torch import Tensor, nn
-from torch_geometric.nn import MessagePassing
+from torch_geometric.nn import GINConv, MessagePassing
 from torch_geometric.utils import degree
 
 import ladle
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, read_json
+from ladle.graph.inputs import graph_inputs
+from ladle.graph.sparse import SparseMatrix
 from ladle.nn.custom import CustomModel, import_model_class
+from ladle.nn.models import build_model
 from ladle.soup.evaluator import Evaluator
 
 QUICK = [*TRUNKLESS, "view.kind=random", "epochs=30"]
@@ -139,6 +142,28 @@ def test_gin_and_appnp_train_and_soup(kind: str, data_root: Path, cora_data, tmp
     assert report["forward"] == "whole-graph" and row["test_acc"] > 0.65  # 30 epochs on half of Cora each: 0.70-0.72
     logits = ladle.predict(tmp_path / kind, cora_data, name="soup-uniform")
     assert _accuracy(logits, cora_data, "test_mask") == pytest.approx(row["test_acc"])
+
+
+@pytest.mark.parametrize("kind", ["gin", "appnp"])
+def test_gin_and_appnp_project_sparse_features_first_to_the_same_logits(kind: str, cora_data) -> None:
+    """Cora's bag of words goes in sparse (projected before GIN's sum), with the dense forward's outputs and
+    gradients, and the parameters PyG's layers have."""
+    recipe = load_recipe(None, [*QUICK, f"model={kind}", "layers=3"])
+    torch.manual_seed(0)
+    net = build_model(recipe, cora_data.num_features, 7)
+    sparse, dense = (graph_inputs(cora_data, kind, sparse_features=flag) for flag in (True, False))
+    assert isinstance(graph_inputs(cora_data, kind).x, SparseMatrix)
+    outputs, gradients = [], []
+    for inputs in (sparse, dense):
+        torch.manual_seed(1)  # the same dropout masks
+        net.zero_grad()
+        logits = net(inputs)
+        logits.square().sum().backward()
+        outputs.append(logits.detach())
+        gradients.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5) and torch.allclose(gradients[0], gradients[1], atol=1e-3)
+    reference = {"gin": GINConv, "appnp": nn.Linear}[kind]
+    assert all(isinstance(conv, reference) for conv in net.convs)
 
 
 @pytest.mark.parametrize("kind", ["gin", "appnp"])

@@ -29,7 +29,7 @@ class GraphInputs:
 
 
 EDGE_INDEX_MODELS = ("gat", "gin", "appnp", "custom")  # their layers take PyG's edge_index
-SPARSE_FEATURE_MODELS = ("gcn", "sage")  # their first layer projects a sparse feature matrix
+SPARSE_FEATURE_MODELS = ("gcn", "sage", "gin", "appnp")  # their first layer projects a sparse feature matrix
 
 
 def adjacency(edge_index: Tensor, num_nodes: int, model: str, edge_weight: Tensor | None = None,
