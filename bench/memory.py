@@ -47,9 +47,9 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     from ladle.core.recipe import load_recipe
     from ladle.core.rundir import TRUNK
     from ladle.graph.datasets import load_dataset
-    from ladle.graph.shards import prepare_shards
-    from ladle.train.launch import _Worker
+    from ladle.graph.shards import ShardSet, prepare_shards
     from ladle.train.loop import train_task
+    from ladle.train.worker import ShardWorker
     from ladle.train.task import IngredientTask
 
     torch.set_num_threads(1)
@@ -60,10 +60,10 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     if mode == "prepare":
         prepare_shards(recipe, ingredients, data_root, force=True)
     elif mode in ("part", "full-shard"):
-        meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(task)
+        meta = ShardWorker(recipe, ShardSet.open(run_dir / "shards"), 0, "cpu").run(task, threads=1)
     elif mode == "trunk":
         trunk = IngredientTask(None, ingredients, run_dir / mode, "independent", save_every=0, role=TRUNK)
-        meta = _Worker(recipe, str(run_dir / "shards"), 1, 0, "cpu").run(trunk)
+        meta = ShardWorker(recipe, ShardSet.open(run_dir / "shards"), 0, "cpu").run(trunk, threads=1)
     elif mode in ("before", "full"):
         data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
         meta = train_task(recipe, data, task)
