@@ -78,12 +78,12 @@ class BranchConfig:
     """How each ingredient trains from its start (the trunk, or the shared init): recipe section ``branch``.
 
     ``lr``: null means the recipe's ``lr``; ``schedule``: ``constant`` or ``cos`` (cosine decay to 0 over
-    ``epochs``); ``warmup``: epochs over which the learning rate rises linearly to that schedule (a fresh
-    Adam's first steps move every weight by the full ``lr``, out of the trunk's basin); ``keep``: ``best``
-    validation (early stopping after ``patience``), ``last``, or ``swa`` (the mean of the weights after each
-    epoch of the second half). Ingredients may differ in more than their
-    seed, as model soups' fine-tunes do: ingredient k trains with ``dropout[k % n]``, ``weight_decay[k % n]``
-    and the learning rate times ``lr_scale[k % n]`` (each empty: the recipe's value for every ingredient).
+    ``epochs``); ``warmup``: epochs over which the learning rate rises linearly into that schedule (a fresh
+    Adam's first steps move every weight by the full ``lr``); ``keep``: ``best`` validation (early stopping
+    after ``patience``), ``last``, or ``swa`` (the mean of the weights after each epoch of the second half).
+    Ingredients may differ in more than their seed, as model soups' fine-tunes do: ingredient k trains with
+    ``dropout[k % n]``, ``weight_decay[k % n]`` and the learning rate times ``lr_scale[k % n]`` (each empty:
+    the recipe's value for every ingredient).
     """
 
     lr: float | None = None

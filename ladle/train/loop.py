@@ -140,8 +140,9 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: Ingred
 @dataclass(frozen=True)
 class Plan:
     """How one model trains: ``epochs``, Adam's ``lr`` (``constant`` or ``cos``: decayed to 0 along a
-    half cosine; the first ``warmup`` epochs scaled by (epoch + 1) / (warmup + 1)), and the weights it ``keep``s: ``best`` validation (early stopping after ``patience``),
-    ``last``, or ``swa`` (the running mean of the weights after each epoch of the second half)."""
+    half cosine; epoch e < ``warmup`` scaled by (e + 1) / (warmup + 1)), and the weights it ``keep``s: ``best``
+    validation (early stopping after ``patience``), ``last``, or ``swa`` (the running mean of the weights after
+    each epoch of the second half)."""
 
     epochs: int
     lr: float
