@@ -9,8 +9,14 @@ from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
 from ladle.graph.datasets import load_dataset, resolve_data_root
+from ladle.graph.partition import InEdges, metis_partition
 from ladle.graph.splits import per_class_split
-from ladle.graph.synthetic import _undirected_edges, synthetic_graph
+from ladle.graph.synthetic import (
+    SYNTHETIC_DEFAULTS,
+    _undirected_edges,
+    parse_synthetic,
+    synthetic_graph,
+)
 
 
 def test_cora_public_split_and_normalised_features(cora_data) -> None:
@@ -66,6 +72,28 @@ def test_synthetic_graph_is_seeded_undirected_and_learnable_from_features() -> N
     means = torch.stack([data.x[data.train_mask & (data.y == c)].mean(0) for c in range(4)])
     prediction = torch.cdist(data.x[data.test_mask], means).argmin(1)
     assert (prediction == data.y[data.test_mask]).float().mean() > 0.4
+
+
+def test_a_graph_with_communities_has_the_locality_metis_keeps() -> None:
+    """Communities below the classes: a METIS partition keeps most edges (a plain contextual SBM whose classes
+    mix has no locality to keep), and the named products-shaped graph is this generator at 1M nodes."""
+    options = dict(nodes=6000, degree=20, features=16, classes=12, homophily=0.8, signal=0.15, seed=2)
+    local = synthetic_graph(**options, communities=60, locality=0.8)
+    plain = synthetic_graph(**{**options, "homophily": 0.3})
+    assert torch.equal(local.edge_index, synthetic_graph(**options, communities=60, locality=0.8).edge_index)
+
+    def cut(data) -> float:
+        parts = metis_partition(InEdges(data.edge_index, data.num_nodes), 4, 0)
+        return float((parts[data.edge_index[0]] != parts[data.edge_index[1]]).float().mean())
+
+    assert cut(local) < 0.25 < 0.45 < cut(plain)  # measured 0.16 and 0.54
+    src, dst = local.edge_index
+    assert 0.45 < float((local.y[src] == local.y[dst]).float().mean()) < 0.75  # about 0.8 x 0.8^2 + 0.2 / 12
+    assert parse_synthetic("synthetic-products") == {**SYNTHETIC_DEFAULTS, "nodes": 1_000_000, "degree": 26,
+                                                     "features": 100, "classes": 47, "homophily": 0.8,
+                                                     "signal": 0.15, "communities": 2000, "locality": 0.8}
+    with pytest.raises(LadleError, match="0 <= communities <= nodes"):
+        load_dataset("synthetic:nodes=100,communities=101")
 
 
 def test_undirected_edges_in_place_are_what_to_undirected_gives() -> None:

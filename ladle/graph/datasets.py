@@ -33,7 +33,7 @@ from torch_geometric.utils import to_undirected
 from ladle.core.errors import LadleError
 from ladle.core.storage import atomic_open, check_regular, read_json, write_json
 from ladle.graph.splits import per_class_split, random_split
-from ladle.graph.synthetic import parse_synthetic, synthetic_graph
+from ladle.graph.synthetic import NAMED_GRAPHS, parse_synthetic, synthetic_graph
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ SOURCES: dict[str, _Source] = {
         "ogbn_products", _ogb("ogbn-products"), "OGB's products.zip unzipped: raw/, split/sales_ranking/", "shipped"
     ),
 }
-DATASET_NAMES = tuple(SOURCES) + ("synthetic",)
+DATASET_NAMES = tuple(SOURCES) + ("synthetic", *NAMED_GRAPHS)
 
 
 def resolve_data_root(data_root: str | Path | None = None) -> Path:

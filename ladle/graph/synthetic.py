@@ -1,4 +1,5 @@
-"""A seeded contextual stochastic block model: the synthetic graph behind ``dataset: synthetic:...``."""
+"""A seeded contextual stochastic block model, with or without communities: the synthetic graph behind
+``dataset: synthetic:...``."""
 from __future__ import annotations
 
 import math
@@ -12,12 +13,20 @@ from ladle.core.resources import total_memory
 from ladle.graph.splits import random_split
 
 SYNTHETIC_DEFAULTS = {"nodes": 10_000, "degree": 10, "features": 64, "classes": 10,
-                      "homophily": 0.7, "signal": 0.25, "seed": 0}
+                      "homophily": 0.7, "signal": 0.25, "seed": 0, "communities": 0, "locality": 0.8}
+# Named synthetic graphs. synthetic-products: ogbn-products' shape (1M nodes, 25 partners each, 100 features,
+# 47 classes) with its locality (communities of ~500 that METIS keeps: K = 8 parts cut ~19 % of the edges),
+# weak features and label noise: a full-graph GCN reaches ~80 % (measured at 50k nodes: 80.5 % test).
+NAMED_GRAPHS = {
+    "synthetic-products": "synthetic:nodes=1000000,degree=26,features=100,classes=47,homophily=0.8,signal=0.15,"
+                          "communities=2000,locality=0.8",
+}
 
 
 def parse_synthetic(spec: str) -> dict[str, float]:
-    """``synthetic:nodes=1000,degree=8`` -> keyword arguments of :func:`synthetic_graph`."""
-    _, _, body = spec.partition(":")
+    """``synthetic:nodes=1000,degree=8`` (or a name of :data:`NAMED_GRAPHS`) -> keyword arguments of
+    :func:`synthetic_graph`."""
+    _, _, body = NAMED_GRAPHS.get(spec, spec).partition(":")
     options: dict[str, float] = dict(SYNTHETIC_DEFAULTS)
     for item in filter(None, body.split(",")):
         key, sep, value = item.partition("=")
@@ -34,9 +43,11 @@ def parse_synthetic(spec: str) -> dict[str, float]:
             raise LadleError(f"synthetic option '{key}' needs a finite number, got '{value}'")
     if (options["classes"] < 2 or options["nodes"] < options["classes"] * 4 or options["degree"] < 1
             or options["features"] < 1 or not 0 <= options["homophily"] <= 1 or options["signal"] < 0
-            or not 0 <= options["seed"] < 2**63):
+            or not 0 <= options["seed"] < 2**63 or not 0 <= options["communities"] <= options["nodes"]
+            or not 0 <= options["locality"] <= 1):
         raise LadleError("synthetic graph needs classes >= 2, nodes >= 4 * classes, degree >= 1, features >= 1, "
-                         "0 <= homophily <= 1, signal >= 0 and 0 <= seed < 2^63")
+                         "0 <= homophily <= 1, signal >= 0, 0 <= seed < 2^63, 0 <= communities <= nodes and "
+                         "0 <= locality <= 1")
     needed = options["nodes"] * (4 * options["features"] + 16 * options["degree"])  # features and edges
     memory = total_memory()
     if memory and needed > memory:
@@ -46,21 +57,34 @@ def parse_synthetic(spec: str) -> dict[str, float]:
 
 
 def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homophily: float = 0.7,
-                    signal: float = 0.25, seed: int = 0, chunk: int = 1 << 18) -> Data:
+                    signal: float = 0.25, seed: int = 0, communities: int = 0, locality: float = 0.8,
+                    chunk: int = 1 << 18) -> Data:
     """A contextual stochastic block model: learnable from features (class means + noise) and structure.
 
     Each node draws ``degree / 2`` partners, of its own class with probability ``homophily``; the
-    graph is then made undirected (edges sorted by source, then target). Generated in chunks of
+    graph is then made undirected (edges sorted by source, then target). With ``communities`` > 0 the graph
+    has locality below its classes, as co-purchase or citation graphs do (what a METIS partition keeps): each
+    node belongs to one of ``communities`` random communities, takes its community's class with probability
+    ``homophily`` (else a random class), and draws each partner from its own community with probability
+    ``locality`` (else from the whole graph). Generated in chunks of
     ``chunk`` nodes into one preallocated array of pairs, deduplicated as int64 keys sorted in place, so the
     peak stays near the output's size (1M nodes, 10M edges, 64 features: 0.4 GB out, 0.6 GB peak above the
     interpreter).
     """
     generator = torch.Generator().manual_seed(seed)
-    y = torch.randint(classes, (nodes,), generator=generator)
+    if communities:
+        group = torch.randint(communities, (nodes,), generator=generator)
+        dominant = torch.randint(classes, (communities,), generator=generator)
+        own = torch.rand(nodes, generator=generator) < homophily
+        y = torch.where(own, dominant[group], torch.randint(classes, (nodes,), generator=generator))
+        same_group, groups = locality, communities
+    else:  # the group a partner is drawn from is the class
+        y = group = torch.randint(classes, (nodes,), generator=generator)
+        same_group, groups = homophily, classes
     means = torch.randn(classes, features, generator=generator) * signal
-    by_class = torch.argsort(y)
-    class_start = torch.zeros(classes + 1, dtype=torch.long)
-    class_start[1:] = torch.bincount(y, minlength=classes).cumsum(0)
+    by_group = torch.argsort(group)
+    group_start = torch.zeros(groups + 1, dtype=torch.long)
+    group_start[1:] = torch.bincount(group, minlength=groups).cumsum(0)
     half = max(1, degree // 2)
     x = torch.empty(nodes, features)
     pairs = np.empty(nodes * half, dtype=np.int64)  # undirected pairs (low, high) as keys low * nodes + high
@@ -69,11 +93,11 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
         ids = torch.arange(start, min(start + chunk, nodes))
         x[ids] = means[y[ids]] + torch.randn(ids.numel(), features, generator=generator)
         src = ids.repeat_interleave(half)
-        same = torch.rand(src.numel(), generator=generator) < homophily
-        cls = y[src]
-        size = class_start[cls + 1] - class_start[cls]
+        same = torch.rand(src.numel(), generator=generator) < same_group
+        own_group = group[src]
+        size = group_start[own_group + 1] - group_start[own_group]
         pick = (torch.rand(src.numel(), generator=generator) * size).long()
-        intra = by_class[class_start[cls] + pick]
+        intra = by_group[group_start[own_group] + pick]
         anywhere = torch.randint(nodes, (src.numel(),), generator=generator)
         dst = torch.where(same, intra, anywhere)
         keep = src != dst
