@@ -14,7 +14,7 @@ from ladle.graph.splits import random_split
 
 SYNTHETIC_DEFAULTS = {"nodes": 10_000, "degree": 10, "features": 64, "classes": 10,
                       "homophily": 0.7, "signal": 0.25, "seed": 0, "communities": 0, "locality": 0.8}
-# Named synthetic graphs. synthetic-products: ogbn-products' shape (1M nodes, 25 partners each, 100 features,
+# Named synthetic graphs. synthetic-products: ogbn-products' shape (1M nodes, mean degree ~26, 100 features,
 # 47 classes) with its locality (communities of ~500 that METIS keeps: K = 8 parts cut ~19 % of the edges),
 # weak features and label noise: a full-graph GCN reaches ~80 % (measured at 50k nodes: 80.5 % test).
 NAMED_GRAPHS = {

@@ -166,7 +166,7 @@ class VarrateOptions:
 
     ranks: int = 4
     partition: str = "metis"
-    schedule: RateSchedule = field(default_factory=lambda: RateSchedule("adaptive"))
+    schedule: RateSchedule = field(default_factory=RateSchedule)  # adaptive
     compressor: str = "mask"
     device: str = "cpu"
     timeout: float = 300.0
