@@ -1,8 +1,9 @@
 """What a worker process holds, on either backend: the run's prepared shards, and the one step that trains a
 task from them. A partition ingredient memory-maps its own part shard only; everything else (sampled and full
 views, the trunk, the trunk continued, the baseline) the whole-graph shard, loaded once and kept for the next
-task the process is given. A local pool's process (:func:`start_worker`, :func:`run_task`) may serve several
-runs in turn; it holds a run's ``workers.lock`` while it trains into that run."""
+whole-graph task the process is given; a part task lets it go first, so its process holds a part worker's memory.
+A local pool's process (:func:`start_worker`, :func:`run_task`) may serve several runs in turn; it holds a run's
+``workers.lock`` while it trains into that run."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import torch
 from torch_geometric.data import Data
 
 from ladle.core.recipe import Recipe, recipe_from_dict
-from ladle.core.resources import die_with_parent, reset_peak_rss
+from ladle.core.resources import die_with_parent, reset_peak_rss, return_free_memory
 from ladle.core.rundir import working_in
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.shards import ShardSet, load_shard
@@ -45,8 +46,12 @@ class ShardWorker:
         graph; its files go to ``task.run_dir``, which must hold the shared init (and the trunk, for a branch). The
         peak memory it reports is its own (from what the process holds when it starts)."""
         torch.set_num_threads(threads)
+        part = task.role == INGREDIENT and self.shards.partitioned
+        if part:
+            self._graph = None  # a part worker holds its part only, whatever it trained before
+        return_free_memory()
         reset_peak_rss()
-        if task.role == INGREDIENT and self.shards.partitioned:
+        if part:
             shard = load_shard(self.shards.part(task.k))
             return train_task(self.recipe, shard.data, task, shard.inputs(self.recipe.model), self.slot,
                               self.device, part_view=shard.view(self.recipe.view, self.recipe.seed))
