@@ -37,16 +37,19 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
             extra: list[str]) -> dict[str, Any]:
     """Train and soup one seed through the commands; return the report's figures (test accuracy, %)."""
     run_dir = scratch / f"{recipe}-{dataset}-{seed}"
-    began = time.perf_counter()
+    began, wall = time.perf_counter(), {}
     for command in (["ladle.train", "--recipe", recipe, "-k", str(ingredients), "--workers", str(workers),
                      "--baseline", f"dataset={dataset}", f"seed={seed}", *extra],
                     ["ladle.soup"]):
+        started = time.perf_counter()
         subprocess.run([sys.executable, "-m", *command, "--run-dir", str(run_dir)], cwd=PROJECT, check=True,
                        stdout=subprocess.DEVNULL)
+        wall[command[0]] = time.perf_counter() - started
     report = json.loads((run_dir / "report.json").read_text())
     references = {ref["name"]: ref for ref in report["references"]}
     soups = {soup["method"]: soup for soup in report["soups"]}
     phase = report["parallel_phase"]
+    metas = _metas(run_dir, report)
     figures = {name: 100 * references[name]["test_acc"] for name in ("baseline", "trunk", "trunk-continued", "ensemble")
                if name in references}
     figures |= {method: 100 * soups[method]["test_acc"] for method in ("uniform", "greedy", "gis", "learned")
@@ -57,9 +60,18 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
     return {"recipe": recipe, "dataset": dataset, "seed": seed, "ingredients": ingredients, "overrides": extra,
             "test": figures, "best_soup": phase["best_soup"], "gain_points": phase["gain_points"],
             "max_barrier": report["basin"]["max_barrier"], "seconds": time.perf_counter() - began,
+            "command_seconds": wall,
             "steps": {name: references[name].get("steps") for name in ("trunk", "trunk-continued", "baseline")
                       if name in references},
-            "peak_rss_mb": {"trunk": report["trunk"]["peak_rss_mb"] if report.get("trunk") else None}}
+            "train_seconds": {name: meta.get("train_seconds") for name, meta in metas.items()},
+            "peak_rss_mb": {name: meta.get("peak_rss_mb") for name, meta in metas.items()}}
+
+
+def _metas(run_dir: Path, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The metadata each trained model of the run wrote (its time, its worker's peak RSS), by name."""
+    names = [row["name"] for row in report["ingredients"]] + ["trunk", "trunk-continued", "baseline"]
+    return {name: json.loads((run_dir / f"{name}.json").read_text()) for name in names
+            if (run_dir / f"{name}.json").is_file()}
 
 
 def summary(records: list[dict[str, Any]]) -> str:
