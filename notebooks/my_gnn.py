@@ -9,7 +9,8 @@ from torch_geometric.nn import MessagePassing
 
 
 class MeanConv(MessagePassing):
-    """``h_i' = W_root h_i + W_neighbours · mean_{j -> i} h_j``."""
+    """``h_i' = W_root h_i + W_neighbours · mean_{j -> i} h_j``, computed as the mean of the projected ``W h_j``
+    (the same, by linearity): the messages carry ``out_channels`` values instead of ``in_channels``."""
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__(aggr="mean")
@@ -17,7 +18,7 @@ class MeanConv(MessagePassing):
         self.neighbours = nn.Linear(in_channels, out_channels, bias=False)
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        return self.root(x) + self.neighbours(self.propagate(edge_index, x=x))
+        return self.root(x) + self.propagate(edge_index, x=self.neighbours(x))
 
 
 class MeanGNN(nn.Module):
