@@ -93,6 +93,18 @@ def test_branch_warmup_rises_linearly_into_the_schedule_for_branches_and_the_tru
     assert plan(recipe, IngredientTask(None, 2, tmp_path, "shared", role=TRUNK)).lr_at(0) == 0.01  # not the trunk
 
 
+def test_the_baseline_trains_beside_the_trunk_and_outlives_its_failure(data_root: Path, tmp_path: Path) -> None:
+    """The baseline needs no trunk, so it trains beside it: a trunk that fails (a NaN loss) stops the branches, not
+    the baseline."""
+    recipe = load_recipe(None, ["trunk.epochs=3", "trunk.lr=1e30", "epochs=2"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", baseline=True,
+                            data_root=data_root, threads=1)
+    assert run.failed == [TRUNK] and not run.ingredients and run.trunk is None
+    assert run.baseline is not None and run.baseline["status"] == "done" and run.baseline["epochs_run"] == 5
+    assert json.loads((tmp_path / "run" / "trunk.json").read_text())["status"] == "failed"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["failed"] == [TRUNK]
+
+
 def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_path: Path) -> None:
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=metis", "epochs=3", "patience=1"])
     torch.manual_seed(recipe.seed)

@@ -218,19 +218,21 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
             return pool.run(batch)
         return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
 
-    results, failed = {}, {}
+    results, failed, scheduled = {}, {}, list(tasks)
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
-        trunk = spec.trunk_task(run_path)  # once, before the branches
-        results, failed = run([trunk])
-        if failed:
+        trunk = spec.trunk_task(run_path)  # once, before the branches; the baseline needs no trunk, so beside it
+        first = [trunk, *(task for task in tasks if task.role == BASELINE)]
+        tasks = [task for task in tasks if task.role != BASELINE]
+        scheduled.append(trunk)
+        results, failed = run(first)
+        if TRUNK in failed:
             log.error("the trunk failed, so no ingredient can branch from it")
-            tasks = [trunk]
-    if recipe.trunk.epochs and not failed:
+            tasks = []
+    if recipe.trunk.epochs and TRUNK not in failed:
         run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
-    if not failed:
-        more, failed = run(tasks)
-        results |= more
-    for task in tasks:
+    more, more_failed = run(tasks)
+    results, failed = results | more, failed | more_failed
+    for task in scheduled:
         if task.name in failed:
             write_json(files.meta(task.name),
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
