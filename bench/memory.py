@@ -49,8 +49,8 @@ def child(mode: str, run_dir: Path, overrides: list[str], ingredients: int, k: i
     from ladle.graph.datasets import load_dataset
     from ladle.graph.shards import ShardSet, prepare_shards
     from ladle.train.loop import train_task
-    from ladle.train.worker import ShardWorker
     from ladle.train.task import IngredientTask
+    from ladle.train.worker import ShardWorker
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides)
