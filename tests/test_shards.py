@@ -86,8 +86,6 @@ def test_prepare_command(data_root: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "cannot split 2708 nodes" in capsys.readouterr().err
 
 
-# Peak RSS of the child's own address space (VmHWM). Not getrusage's ru_maxrss: a child inherits its
-# parent's peak there (Linux keeps the pre-exec maximum), so it would read the pytest process's size.
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
 def test_a_part_worker_holds_its_part_even_after_the_trunk(tmp_path: Path) -> None:
     """One worker trains the trunk on the whole graph, then the 8 part ingredients: each reports the memory of its
