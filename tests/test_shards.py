@@ -17,6 +17,7 @@ from ladle.graph.inputs import graph_inputs
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
 from ladle.graph.sparse import SparseMatrix
 from ladle.graph.views import batch_graph, build_view
+from ladle.nn import layerwise
 from ladle.nn.layerwise import LayerwiseInference
 from ladle.nn.models import build_model
 from ladle.nn.scoring import recompute_batch_norm
@@ -132,7 +133,8 @@ def test_train_ingredients_from_shards_matches_the_whole_graph_path(data_root: P
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
-def test_layerwise_inference_equals_the_full_forward(cora_data, model: str) -> None:
+def test_layerwise_inference_equals_the_full_forward(cora_data, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layerwise, "ROW_CHUNK", 1000)  # the features' and hidden layers' rows in three chunks
     inference = LayerwiseInference.from_data(cora_data, batch_entries=2000)
     inputs = graph_inputs(cora_data, model)
     for norm in ("layer", "batch"):

@@ -4,8 +4,10 @@ A plain forward builds the whole normalised adjacency ``Â`` (a CSR and its tran
 layer's activations at once. Here layer ``l`` is finished for all nodes before layer ``l + 1``
 starts (no node is recomputed, unlike sampled inference), and its aggregation reads the rows of
 ``Â`` of one batch of target nodes at a time from the graph's in-edge CSR (a shard's memory-mapped
-``rowptr``/``col``, or one sort of ``edge_index``), with no transpose and no autograd buffers. Peak
-memory: the features, two ``N x width`` activation buffers and one batch's rows.
+``rowptr``/``col``, or one sort of ``edge_index``), with no transpose and no autograd buffers. A hidden
+layer's output is finished (norm, ReLU, the next layer's projection) a batch of rows at a time, so peak
+memory is the features (and their cached first aggregation), one layer's inputs and the next's (``N x``
+their widths) and one batch's rows: never a whole hidden layer.
 
 Batches are cut by entries of ``A + I`` (default ``2^24``), not by nodes: torch's CSR product costs
 ``O(N * width)`` a call whatever the batch (it copies the dense operand), so few large batches are
@@ -14,6 +16,7 @@ several times faster than many small ones; a 1M-node, 10M-edge graph is one batc
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,9 @@ from ladle.nn.models import GNN, GCNLayer, SAGELayer
 LAYERWISE_MODELS = ("gcn", "sage", "gat")  # GIN, APPNP and custom models are scored by a whole-graph forward
 DEFAULT_BATCH_ENTRIES = 1 << 24  # entries of A + I per batch of rows
 FIRST_AGGREGATION_BYTES = 2 << 30  # dense features up to this size get their first aggregation cached
+ROW_CHUNK = 1 << 16  # nodes per dense product where a layer's output is finished chunk by chunk
+
+Rows = Iterator[tuple[int, int, Tensor]]  # a layer's output (or input), a range of rows at a time
 
 
 class LayerwiseInference:
@@ -76,34 +82,42 @@ class LayerwiseInference:
     def logits(self, model: GNN, bn_nodes: Tensor | None = None) -> Tensor:
         """``model``'s eval-mode logits for all nodes, ``[num_nodes, classes]``.
 
-        ``bn_nodes``: first re-estimate each batch-norm layer's running statistics (in place) as the
-        mean and unbiased variance of these nodes' activations, the layers below already in eval mode
-        (:func:`ladle.nn.scoring.recompute_batch_norm` propagates train-mode activations through one forward
-        of a sub-graph instead; on all of Cora's nodes the two differ by ~1e-3 in the logits).
+        A hidden layer's output is never held for all nodes: each batch of its rows is normalised,
+        activated and projected by the next layer's weights at once, so only the next layer's inputs
+        (``N x`` its output width, for GCN and SAGE) are kept. ``bn_nodes``: first re-estimate each
+        batch-norm layer's running statistics (in place) as the mean and unbiased variance of these
+        nodes' activations, the layers below already in eval mode (that layer's output is then held
+        whole once). :func:`ladle.nn.scoring.recompute_batch_norm` propagates train-mode activations
+        through one forward of a sub-graph instead; on all of Cora's nodes the two differ by ~1e-3.
         """
         model.eval()
-        h = self.x
-        bar = tqdm(total=len(model.convs) * len(self.ranges), desc="layer-wise inference", unit="chunk",
-                   leave=False, dynamic_ncols=True, disable=None)  # a chunk: one layer over one batch of rows
+        bar = tqdm(total=len(model.convs), desc="layer-wise inference", unit="layer", leave=False,
+                   dynamic_ncols=True, disable=None)
+        first = model.convs[0]
+        sparse = use_sparse_features(self.x, model.model)
+        cached = not sparse and self._caches_first(first)
+        if cached:
+            inputs = []
+        elif isinstance(first, GATConv):
+            inputs = [self.x]
+        else:
+            inputs = self._inputs(first, self._feature_rows(), sparse)
         for i, conv in enumerate(model.convs):
-            sparse = i == 0 and use_sparse_features(self.x, model.model)
-            if i == 0 and not sparse and self._caches_first(conv):
-                h = self._first_layer(conv)
-            else:
-                h = self._layer(conv, h, sparse)
-            bar.update(len(self.ranges))
+            rows = self._first_rows(first) if i == 0 and cached else self._output_rows(conv, inputs)
+            bar.update(1)
             if i == len(model.convs) - 1:
-                break
+                bar.close()
+                return _gather(rows, self.num_nodes)
             norm = model.norms[i]
             if bn_nodes is not None and isinstance(norm, nn.BatchNorm1d):
-                chosen = h[bn_nodes]
+                whole = _gather(rows, self.num_nodes)
+                chosen = whole[bn_nodes]
                 norm.running_mean.copy_(chosen.mean(0))
                 norm.running_var.copy_(chosen.var(0))
                 norm.num_batches_tracked.fill_(1)
-            for start, end in self.ranges:
-                h[start:end] = F.relu(norm(h[start:end]))
-        bar.close()
-        return h
+                rows = ((start, end, whole[start:end]) for start, end in self._row_chunks())
+            inputs = self._inputs(model.convs[i + 1], ((s, e, F.relu(norm(h))) for s, e, h in rows), sparse=False)
+        raise AssertionError("a model has at least one layer")
 
     def _caches_first(self, conv: nn.Module) -> bool:
         """Whether the first layer reuses the cached aggregation of the features: GCN or SAGE, on dense
@@ -129,13 +143,45 @@ class LayerwiseInference:
             self._first[key] = out.mul_(self.mean_scale if mean else self.gcn_scale)
         return self._first[key]
 
-    def _first_layer(self, conv: nn.Module) -> Tensor:
-        """The first GCN/SAGE layer from the cached aggregation (:meth:`_aggregated`)."""
+    def _row_chunks(self) -> list[tuple[int, int]]:
+        """Consecutive ranges of :data:`ROW_CHUNK` nodes, for work that is dense row by row."""
+        return [(start, min(start + ROW_CHUNK, self.num_nodes)) for start in range(0, self.num_nodes, ROW_CHUNK)]
+
+    def _feature_rows(self) -> Rows:
+        return ((start, end, self.x[start:end]) for start, end in self._row_chunks())
+
+    def _first_rows(self, conv: nn.Module) -> Rows:
+        """The first GCN/SAGE layer's output from the cached aggregation (:meth:`_aggregated`), chunk by chunk."""
         if isinstance(conv, GCNLayer):
-            out = self._aggregated(mean=False) @ conv.lin.weight.t()
-            return out.add_(conv.bias) if conv.bias is not None else out
-        out = self._aggregated(mean=True) @ conv.lin_l.weight.t()
-        return out.add_(conv.lin_l.bias).add_(self._project(self.x, conv.lin_r.weight, sparse=False))
+            aggregated = self._aggregated(mean=False)
+            for start, end in self._row_chunks():
+                out = aggregated[start:end] @ conv.lin.weight.t()
+                yield start, end, out.add_(conv.bias) if conv.bias is not None else out
+            return
+        aggregated = self._aggregated(mean=True)
+        for start, end in self._row_chunks():
+            out = torch.addmm(conv.lin_l.bias, aggregated[start:end], conv.lin_l.weight.t())
+            yield start, end, out.add_(self.x[start:end] @ conv.lin_r.weight.t())
+
+    def _inputs(self, conv: nn.Module, rows: Rows, sparse: bool) -> list[Tensor]:
+        """What layer ``conv`` reads of every node, filled from ``rows`` (its input, a chunk at a time): GCN its
+        projection scaled by ``D^-1/2``, SAGE its two projections (neighbours', root's), GAT the input itself."""
+        if isinstance(conv, GCNLayer):
+            weights, scale = [conv.lin.weight], self.gcn_scale
+        elif isinstance(conv, SAGELayer):
+            weights, scale = [conv.lin_l.weight, conv.lin_r.weight], None
+        else:
+            weights, scale = [], None
+        buffers: list[Tensor] = []
+        for start, end, h in rows:
+            outs = [_matmul_rows(h, weight.t(), sparse) for weight in weights] if weights else [h]
+            if scale is not None:
+                outs[0].mul_(scale[start:end])
+            if not buffers:
+                buffers = [torch.empty(self.num_nodes, out.size(1)) for out in outs]
+            for buffer, out in zip(buffers, outs):
+                buffer[start:end] = out
+        return buffers
 
     def _rows(self, start: int, end: int) -> Tensor:
         """Rows ``start:end`` of the adjacency (entries 1), a ``[end - start, N]`` CSR over the stored columns."""
@@ -146,38 +192,27 @@ class LayerwiseInference:
                                            self._ones[:last - first], (end - start, self.num_nodes),
                                            check_invariants=False)
 
-    def _project(self, h: Tensor, weight: Tensor, sparse: bool) -> Tensor:
-        """``h W^T`` for all nodes, a batch of rows at a time (sparse rows for bag-of-words features)."""
-        out = torch.empty(self.num_nodes, weight.size(0))
-        for start, end in self.ranges:
-            out[start:end] = _matmul_rows(h[start:end], weight.t(), sparse)
-        return out
-
-    def _layer(self, conv: nn.Module, h: Tensor, sparse: bool) -> Tensor:
+    def _output_rows(self, conv: nn.Module, inputs: list[Tensor]) -> Rows:
+        """Layer ``conv``'s output, a batch of rows (:attr:`ranges`) at a time, from its :meth:`_inputs`."""
         if isinstance(conv, GCNLayer):  # Â = D^-1/2 (A + I) D^-1/2, degrees counted in A + I
-            scale = self.gcn_scale
-            projected = self._project(h, conv.lin.weight, sparse).mul_(scale)
-            out = torch.empty_like(projected)
+            (projected,) = inputs
             for start, end in self.ranges:  # (A + I) rows of the batch, then the target's own scale
-                torch.addmm(projected[start:end], self._rows(start, end), projected, out=out[start:end])
-            out.mul_(scale)
-            return out.add_(conv.bias) if conv.bias is not None else out
-        if isinstance(conv, SAGELayer):  # mean over in-neighbours, plus the root's own projection
-            projected = self._project(h, conv.lin_l.weight, sparse)
-            out = torch.empty_like(projected)
+                out = torch.addmm(projected[start:end], self._rows(start, end), projected)
+                out.mul_(self.gcn_scale[start:end])
+                yield start, end, out.add_(conv.bias) if conv.bias is not None else out
+        elif isinstance(conv, SAGELayer):  # mean over in-neighbours, plus the root's own projection
+            neighbours, roots = inputs
             for start, end in self.ranges:
-                torch.mm(self._rows(start, end), projected, out=out[start:end])
-            del projected
-            out.mul_(self.mean_scale).add_(conv.lin_l.bias)
-            return out.add_(self._project(h, conv.lin_r.weight, sparse))
-        assert isinstance(conv, GATConv)
-        return self._gat(conv, h)
+                out = torch.mm(self._rows(start, end), neighbours).mul_(self.mean_scale[start:end])
+                yield start, end, out.add_(conv.lin_l.bias).add_(roots[start:end])
+        else:
+            assert isinstance(conv, GATConv)
+            yield from self._gat(conv, inputs[0])
 
-    def _gat(self, conv: GATConv, h: Tensor) -> Tensor:
+    def _gat(self, conv: GATConv, h: Tensor) -> Rows:
         """Attention needs each edge's endpoints: per batch, its targets first, then their other sources,
         so GATConv's own self-loops ``(i, i)`` for the first ``batch`` sources land on the targets."""
         local = torch.full((self.num_nodes,), -1, dtype=torch.long)
-        out: Tensor | None = None
         for start, end in self.ranges:
             first, last = int(self.rowptr[start]), int(self.rowptr[end])
             sources = self.col[first:last]
@@ -188,11 +223,18 @@ class LayerwiseInference:
             needed = torch.cat([torch.arange(start, end), others])
             batch = conv((h[needed], h[start:end]), torch.stack([local[sources], targets]))
             local[needed] = -1
-            if out is None:
-                out = torch.empty(self.num_nodes, batch.size(1))
-            out[start:end] = batch
-        assert out is not None
-        return out
+            yield start, end, batch
+
+
+def _gather(rows: Rows, num_nodes: int) -> Tensor:
+    """The chunks of ``rows`` in one ``[num_nodes, width]`` tensor."""
+    out: Tensor | None = None
+    for start, end, h in rows:
+        if out is None:
+            out = torch.empty(num_nodes, h.size(1))
+        out[start:end] = h
+    assert out is not None, "a graph has at least one node"
+    return out
 
 
 def _matmul_rows(rows: Tensor, matrix: Tensor, sparse: bool) -> Tensor:
