@@ -35,7 +35,11 @@ def _random_model(recipe, data, seed: int):
 
 @pytest.mark.parametrize("overrides", [["model=gcn"], ["model=sage"], ["model=gcn", "layers=3", "norm=layer"],
                                        ["model=sage", "layers=3", "norm=batch"], ["model=gcn", "layers=1"]])
-def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[str]) -> None:
+@pytest.mark.parametrize("cached", [True, False])
+def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[str], cached: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cached:  # features too large to aggregate whole: the targets' first level is aggregated alone
+        monkeypatch.setattr(layerwise, "FIRST_AGGREGATION_BYTES", 0)
     recipe = load_recipe(None, [*TRUNKLESS, *overrides])
     model = _random_model(recipe, cora_data, seed=len(overrides))
     whole = LayerwiseInference.from_data(cora_data)
@@ -45,6 +49,7 @@ def test_target_logits_equal_the_whole_graph_logits(cora_data, overrides: list[s
     got = inference.logits(model)
     assert expected.abs().max() > 0.1
     assert (got - expected).abs().max() <= 1e-5
+    assert bool(whole._first) == cached  # the graph's whole aggregation, made and reused, only where it is kept
     if recipe.layers > 1:  # only the targets' neighbourhood is computed below the last layer
         assert inference.levels[0].numel() < cora_data.num_nodes
 

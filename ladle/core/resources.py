@@ -15,7 +15,6 @@ import torch
 from ladle.core.errors import LadleError
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt(3) parameters
 
 
 def die_with_parent() -> None:
@@ -59,20 +58,6 @@ def return_free_memory() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).malloc_trim(0)
-
-
-def reuse_freed_memory() -> None:
-    """Let glibc's malloc serve large blocks from its heap and keep them when freed, for the next allocation of this
-    process (no effect elsewhere). By default a block above 32 MiB is a fresh ``mmap``, its pages zeroed by the kernel
-    at first touch and unmapped on ``free``: a process that allocates and frees the same large activations pass
-    after pass (the soup: 1M nodes, 11 whole-graph passes and 85 scorings) spends a third of its time there. Costs
-    peak memory where freed blocks fragment (bench/RESULTS.md, *The default soup at scale*), so the training workers,
-    whose peak is the point, leave malloc as it is."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None)
-            libc.mallopt(M_MMAP_MAX, 0)  # no block is its own mapping: all come from the heap, reused once freed
-            libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # nor is the heap's free top handed back after each pass
 
 
 def reset_peak_rss() -> None:

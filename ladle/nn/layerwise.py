@@ -57,7 +57,7 @@ class LayerwiseInference:
         bounds = torch.cat([starts, torch.tensor([self.num_nodes])]).tolist()
         self.ranges = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
         self._ones = torch.ones(max((int(rowptr[e] - rowptr[s]) for s, e in self.ranges), default=0))
-        self._first: dict[str, Tensor] = {}  # cached first aggregations (see _aggregated)
+        self._first: dict[str, Tensor] = {}  # cached first aggregations (see aggregated)
 
     @classmethod
     def from_data(cls, data: Data, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
@@ -95,7 +95,7 @@ class LayerwiseInference:
                    dynamic_ncols=True, disable=None)
         first = model.convs[0]
         sparse = use_sparse_features(self.x, model.model)
-        cached = not sparse and self._caches_first(first)
+        cached = not sparse and self.caches_aggregation and isinstance(first, (GCNLayer, SAGELayer))
         if cached:
             inputs = []
         elif isinstance(first, GATConv):
@@ -119,13 +119,13 @@ class LayerwiseInference:
             inputs = self._inputs(model.convs[i + 1], ((s, e, F.relu(norm(h))) for s, e, h in rows), sparse=False)
         raise AssertionError("a model has at least one layer")
 
-    def _caches_first(self, conv: nn.Module) -> bool:
-        """Whether the first layer reuses the cached aggregation of the features: GCN or SAGE, on dense
-        features small enough (:data:`FIRST_AGGREGATION_BYTES`) to hold a second copy of."""
-        small = self.x.numel() * 4 <= FIRST_AGGREGATION_BYTES
-        return small and isinstance(conv, (GCNLayer, SAGELayer))
+    @property
+    def caches_aggregation(self) -> bool:
+        """Whether a first GCN/SAGE layer on dense features reuses their cached aggregation (:meth:`aggregated`): when
+        they are small enough (:data:`FIRST_AGGREGATION_BYTES`) to hold a second copy of."""
+        return self.x.numel() * 4 <= FIRST_AGGREGATION_BYTES
 
-    def _aggregated(self, mean: bool) -> Tensor:
+    def aggregated(self, mean: bool) -> Tensor:
         """The weight-free first aggregation of the features for all nodes, computed on first use and kept:
         ``Â X`` (GCN, ``mean=False``) or the in-neighbour mean of ``X`` (SAGE). The first layer is linear
         in its weights (``Â X W = (Â X) W``), so every later model pays one dense product instead of a
@@ -133,13 +133,13 @@ class LayerwiseInference:
         key = "mean" if mean else "gcn"
         if key not in self._first:
             x = self.x.float()
-            source = x if mean else x * self.gcn_scale
             out = torch.empty(self.num_nodes, x.size(1))
             for start, end in self.ranges:
                 if mean:
-                    torch.mm(self._rows(start, end), source, out=out[start:end])
-                else:  # (A + I) rows: the neighbours, plus the node itself
-                    torch.addmm(source[start:end], self._rows(start, end), source, out=out[start:end])
+                    torch.mm(self._rows(start, end), x, out=out[start:end])
+                else:  # (A + I) D^-1/2 X: the neighbours, each scaled by its entry, plus the node itself
+                    torch.mul(x[start:end], self.gcn_scale[start:end], out=out[start:end])
+                    out[start:end].addmm_(self._rows(start, end, scaled=True), x)
             self._first[key] = out.mul_(self.mean_scale if mean else self.gcn_scale)
         return self._first[key]
 
@@ -151,14 +151,14 @@ class LayerwiseInference:
         return ((start, end, self.x[start:end]) for start, end in self._row_chunks())
 
     def _first_rows(self, conv: nn.Module) -> Rows:
-        """The first GCN/SAGE layer's output from the cached aggregation (:meth:`_aggregated`), chunk by chunk."""
+        """The first GCN/SAGE layer's output from the cached aggregation (:meth:`aggregated`), chunk by chunk."""
         if isinstance(conv, GCNLayer):
-            aggregated = self._aggregated(mean=False)
+            aggregated = self.aggregated(mean=False)
             for start, end in self._row_chunks():
                 out = aggregated[start:end] @ conv.lin.weight.t()
                 yield start, end, out.add_(conv.bias) if conv.bias is not None else out
             return
-        aggregated = self._aggregated(mean=True)
+        aggregated = self.aggregated(mean=True)
         for start, end in self._row_chunks():
             out = torch.addmm(conv.lin_l.bias, aggregated[start:end], conv.lin_l.weight.t())
             yield start, end, out.add_(self.x[start:end] @ conv.lin_r.weight.t())
@@ -183,14 +183,22 @@ class LayerwiseInference:
                 buffer[start:end] = out
         return buffers
 
-    def _rows(self, start: int, end: int) -> Tensor:
-        """Rows ``start:end`` of the adjacency (entries 1), a ``[end - start, N]`` CSR over the stored columns."""
+    def _rows(self, start: int, end: int, scaled: bool = False) -> Tensor:
+        """Rows ``start:end`` of the adjacency, a ``[end - start, N]`` CSR over the stored columns; its entries 1, or
+        ``scaled``: each the ``D^-1/2`` of its source (GCN's normalisation of the features, with no scaled copy)."""
         first, last = int(self.rowptr[start]), int(self.rowptr[end])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-            return torch.sparse_csr_tensor(self.rowptr[start:end + 1] - first, self.col[first:last],
-                                           self._ones[:last - first], (end - start, self.num_nodes),
-                                           check_invariants=False)
+        columns = self.col[first:last]
+        values = self.gcn_scale.view(-1)[columns] if scaled else self._ones[:last - first]
+        return csr(self.rowptr[start:end + 1] - first, columns, values, (end - start, self.num_nodes))
+
+    def node_rows(self, nodes: Tensor, scaled: bool = False) -> Tensor:
+        """The rows of ``nodes`` (sorted ids), a ``[len(nodes), N]`` CSR of their in-edges (entries as :meth:`_rows`)."""
+        counts = self.rowptr[nodes + 1] - self.rowptr[nodes]
+        crow = torch.zeros(nodes.numel() + 1, dtype=torch.long)
+        crow[1:] = counts.cumsum(0)
+        columns = self.col[row_entries(self.rowptr, nodes)]
+        values = self.gcn_scale.view(-1)[columns] if scaled else torch.ones(columns.numel())
+        return csr(crow, columns, values, (nodes.numel(), self.num_nodes))
 
     def _output_rows(self, conv: nn.Module, inputs: list[Tensor]) -> Rows:
         """Layer ``conv``'s output, a batch of rows (:attr:`ranges`) at a time, from its :meth:`_inputs`."""
@@ -235,6 +243,20 @@ def _gather(rows: Rows, num_nodes: int) -> Tensor:
         out[start:end] = h
     assert out is not None, "a graph has at least one node"
     return out
+
+
+def row_entries(rowptr: Tensor, rows: Tensor) -> Tensor:
+    """Positions in ``col`` of the entries of ``rows``, row after row."""
+    starts, counts = rowptr[rows], rowptr[rows + 1] - rowptr[rows]
+    offsets = torch.repeat_interleave(starts - (counts.cumsum(0) - counts), counts)
+    return offsets + torch.arange(int(counts.sum()))
+
+
+def csr(crow: Tensor, columns: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    """A float CSR matrix (beta-API warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        return torch.sparse_csr_tensor(crow, columns, values, size, check_invariants=False)
 
 
 def _matmul_rows(rows: Tensor, matrix: Tensor, sparse: bool) -> Tensor:

@@ -4,7 +4,7 @@ A soup scores dozens of candidates on the same validation nodes. Layer ``l`` is 
 layer ``l + 1`` reads it (the targets' in-neighbourhood, hop by hop), and the first layer's aggregation
 of the input features does not depend on the weights: GCN's ``Â X W = (Â X) W`` and SAGE's
 ``mean(X) W_l + X W_r`` are linear in ``W``. So ``Â X`` (or the mean and the roots' own ``X``) is computed
-once for the 1-hop nodes, and each candidate costs a dense product on those rows and small sparse
+once for the 1-hop nodes (the rows of the graph's whole one, where the graph's passes keep it), and each candidate costs a dense product on those rows and small sparse
 products above them. On a 2.45M-node graph with 20,000 targets that is ~0.2 s instead of a whole-graph pass.
 
 Normalisation uses whole-graph degrees (from the in-edge CSR), so the logits equal the whole graph's.
@@ -12,12 +12,12 @@ Normalisation uses whole-graph degrees (from the in-edge CSR), so the logits equ
 from __future__ import annotations
 
 import math
-import warnings
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
 
-from ladle.nn.layerwise import LayerwiseInference
+from ladle.nn.layerwise import LayerwiseInference, csr, row_entries
 from ladle.nn.models import GNN, GCNLayer, SAGELayer
 
 
@@ -54,7 +54,7 @@ class TargetInference:
         levels = [targets]  # levels[i]: the nodes where layer L - i is needed, each a superset of the last
         for _ in range(layers - 1):
             rows = levels[-1]
-            sources = col[_row_entries(rowptr, rows)]
+            sources = col[row_entries(rowptr, rows)]
             levels.append(torch.cat([rows, sources]).unique())
         levels.reverse()  # levels[l]: output nodes of layer l + 1
         self.levels = levels
@@ -64,36 +64,43 @@ class TargetInference:
         self.self_pos: list[Tensor] = []
         for inner, outer in zip(levels[:-1], levels[1:]):
             local[inner] = torch.arange(inner.numel())
-            entries = _row_entries(rowptr, outer)
+            entries = row_entries(rowptr, outer)
             counts = rowptr[outer + 1] - rowptr[outer]
             crow = torch.zeros(outer.numel() + 1, dtype=torch.long)
             crow[1:] = counts.cumsum(0)
-            self.adj.append(_csr(crow, local[col[entries]], (outer.numel(), inner.numel())))
+            columns = local[col[entries]]
+            self.adj.append(csr(crow, columns, torch.ones(columns.numel()), (outer.numel(), inner.numel())))
             self.self_pos.append(local[outer])
             local[inner] = -1
         self.gcn_scale = [gcn_scale[level] for level in levels]
         self.mean_scale = [mean_scale[level] for level in levels]
-        first = levels[0]
-        entries = _row_entries(rowptr, first)
-        crow = torch.zeros(first.numel() + 1, dtype=torch.long)
-        crow[1:] = (rowptr[first + 1] - rowptr[first]).cumsum(0)
-        self._neighbours = _csr(crow, col[entries], (first.numel(), num_nodes))  # the first level's in-edges
-        self._x, self._gcn_scale_all = graph.x, gcn_scale
-        self.roots = graph.x[first].float()
+        self.graph = graph
         self._aggregated: dict[str, Tensor] = {}
+        self._first_out = Tensor()  # the first level's output, the largest of a call: one buffer for every call
 
     def aggregated(self, mean: bool) -> Tensor:
         """The weight-free first aggregation on the first level, computed once: ``Â X`` (GCN) or the
-        in-neighbour mean of ``X`` (SAGE)."""
+        in-neighbour mean of ``X`` (SAGE); the graph's own whole cached one (:meth:`LayerwiseInference.aggregated`,
+        which its passes reuse) where it keeps one, else from the first level's in-edges alone."""
         key = "mean" if mean else "gcn"
         if key not in self._aggregated:
-            if mean:
-                out = self.mean_scale[0] * (self._neighbours @ self._x.float())
+            first = self.levels[0]
+            if self.graph.caches_aggregation:
+                out = self.graph.aggregated(mean)[first]
             else:
-                scale = self.gcn_scale[0]
-                out = scale * (self._neighbours @ (self._gcn_scale_all * self._x.float()) + scale * self.roots)
+                neighbours = self.graph.node_rows(first, scaled=not mean) @ self.graph.x.float()
+                if mean:
+                    out = neighbours.mul_(self.mean_scale[0])
+                else:
+                    scale = self.gcn_scale[0]
+                    out = neighbours.add_(scale * self.graph.x[first].float()).mul_(scale)
             self._aggregated[key] = out
         return self._aggregated[key]
+
+    @cached_property
+    def roots(self) -> Tensor:
+        """The first level's own features (SAGE's root term)."""
+        return self.graph.x[self.levels[0]].float()
 
     @torch.no_grad()
     def logits(self, model: GNN) -> Tensor:
@@ -106,39 +113,32 @@ class TargetInference:
             else:
                 h = self._upper(conv, h, i)
             if i < len(model.convs) - 1:
-                h = model.norms[i](h).relu_()  # h is this call's own tensor: in place
-        return h
+                h = model.norms[i](h).relu_()  # h is this call's own tensor (or buffer): in place
+        return h.clone() if len(model.convs) == 1 else h  # never the buffer the next call overwrites
 
     def _first(self, conv: nn.Module) -> Tensor:
+        """The first layer on the first level, into the buffer every call reuses (a fresh block of this size would
+        be mapped and its pages zeroed by the kernel at every call)."""
         if isinstance(conv, GCNLayer):
-            out = self.aggregated(mean=False) @ conv.lin.weight.t()
-            return out + conv.bias if conv.bias is not None else out
-        assert isinstance(conv, SAGELayer)
-        return (self.aggregated(mean=True) @ conv.lin_l.weight.t() + conv.lin_l.bias
-                + self.roots @ conv.lin_r.weight.t())
+            aggregated, weight = self.aggregated(mean=False), conv.lin.weight
+        else:
+            assert isinstance(conv, SAGELayer)
+            aggregated, weight = self.aggregated(mean=True), conv.lin_l.weight
+        if self._first_out.shape != (aggregated.size(0), weight.size(0)):
+            self._first_out = torch.empty(aggregated.size(0), weight.size(0))
+        out = torch.mm(aggregated, weight.t(), out=self._first_out)
+        if isinstance(conv, SAGELayer):
+            return out.add_(conv.lin_l.bias).addmm_(self.roots, conv.lin_r.weight.t())
+        return out.add_(conv.bias) if conv.bias is not None else out
 
     def _upper(self, conv: nn.Module, h: Tensor, layer: int) -> Tensor:
         """Layer ``layer`` >= 1 at its (fewer) output nodes: aggregate the inputs first, then project."""
         adj, self_pos = self.adj[layer - 1], self.self_pos[layer - 1]
         if isinstance(conv, GCNLayer):
-            scaled = h * self.gcn_scale[layer - 1]
+            scaled = h.mul_(self.gcn_scale[layer - 1])  # h: this call's own activations
             aggregated = (adj @ scaled + scaled[self_pos]) * self.gcn_scale[layer]
             out = aggregated @ conv.lin.weight.t()
             return out + conv.bias if conv.bias is not None else out
         assert isinstance(conv, SAGELayer)
         mean = (adj @ h) * self.mean_scale[layer]
         return mean @ conv.lin_l.weight.t() + conv.lin_l.bias + h[self_pos] @ conv.lin_r.weight.t()
-
-
-def _row_entries(rowptr: Tensor, rows: Tensor) -> Tensor:
-    """Positions in ``col`` of the entries of ``rows``, row after row."""
-    starts, counts = rowptr[rows], rowptr[rows + 1] - rowptr[rows]
-    offsets = torch.repeat_interleave(starts - (counts.cumsum(0) - counts), counts)
-    return offsets + torch.arange(int(counts.sum()))
-
-
-def _csr(crow: Tensor, columns: Tensor, size: tuple[int, int]) -> Tensor:
-    """A float CSR matrix of ones (beta-API warning silenced)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-        return torch.sparse_csr_tensor(crow, columns, torch.ones(columns.numel()), size, check_invariants=False)

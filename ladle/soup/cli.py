@@ -5,7 +5,6 @@ import argparse
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import SOUP_METRICS
-from ladle.core.resources import reuse_freed_memory
 from ladle.core.rundir import RunDir
 from ladle.nn.custom import import_model_class
 from ladle.soup.methods import SOUPS, method_names
@@ -39,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.grid is not None and args.grid < 2:
         raise LadleError("--grid must be >= 2")
-    reuse_freed_memory()  # pass after pass of the same large activations: reused, not mapped and zeroed anew
     report = soup_run(args.run_dir, args.method, args.grid, args.search, args.metric, args.recompute_bn,
                       args.skip_bad, args.data_root, allow_other_data=args.allow_other_data,
                       model=import_model_class(args.model_class) if args.model_class else None)

@@ -182,7 +182,9 @@ class Evaluator:
         return metrics(self.full_logits(state)[mask], self.data.y[mask])
 
     def split_metrics(self, logits: Tensor) -> dict[str, float]:
-        """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures)."""
-        val = metrics(logits[self.data.val_mask], self.data.y[self.data.val_mask])
-        test = metrics(logits[self.data.test_mask], self.data.y[self.data.test_mask])
-        return {"val_acc": val.acc, "val_loss": val.loss, "test_acc": test.acc}
+        """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures); the test
+        split's from each node's predicted class alone, no copy of its logits (most of them, on some graphs)."""
+        val_mask, test_mask, y = self.data.val_mask, self.data.test_mask, self.data.y
+        val = metrics(logits[val_mask], y[val_mask])
+        test_acc = (logits.argmax(1) == y)[test_mask].float().mean().item()
+        return {"val_acc": val.acc, "val_loss": val.loss, "test_acc": test_acc}
