@@ -12,6 +12,7 @@ from conftest import TRUNKLESS
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
+from ladle.core.resources import release_mapped_pages
 from ladle.core.storage import load_state
 from ladle.graph.inputs import graph_inputs
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
@@ -130,6 +131,36 @@ def test_train_ingredients_from_shards_matches_the_whole_graph_path(data_root: P
             assert all(torch.equal(expected[key], state[key]) for key in state), task.name
     finally:
         torch.set_num_threads(threads)
+
+
+def _resident_file_kib() -> int:
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
+def test_a_mapped_arrays_pages_are_handed_back_and_read_again_intact(tmp_path: Path) -> None:
+    expected = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB
+    np.save(tmp_path / "x.npy", expected.numpy())
+    mapped = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="c"))  # as load_shard maps a shard's arrays
+    assert torch.equal(mapped, expected)  # every page read: resident
+    before = _resident_file_kib()
+    release_mapped_pages(mapped[1000:])
+    assert _resident_file_kib() < before - 12 * 1024  # at least 12 of its 16 MiB handed back
+    assert torch.equal(mapped, expected)  # and read again from the file, unchanged
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
+def test_a_shards_layerwise_inference_hands_its_pages_back_and_computes_the_same(data_root: Path, model: str) -> None:
+    shard = load_shard(prepare_shards(load_recipe(None, [*TRUNKLESS, "dataset=synthetic:nodes=3000,degree=8,features=32,"
+                                                         "classes=5"]), 2, data_root).graph())  # dense features
+    torch.manual_seed(0)
+    net = build_model(load_recipe(None, [*TRUNKLESS, f"model={model}"]), 32, 5).eval()
+    mapped = LayerwiseInference.from_shard(shard, batch_entries=5000)  # several batches, each handing its rows back
+    assert mapped.mapped and len(mapped.ranges) > 1
+    first, again = mapped.logits(net), mapped.logits(net)
+    assert torch.equal(first, again)
+    assert torch.allclose(first, LayerwiseInference.from_data(shard.data, batch_entries=5000).logits(net), atol=1e-6)
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "gat"])

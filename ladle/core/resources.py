@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from ladle.core.errors import LadleError
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+MADV_DONTNEED = 4  # madvise(2)
 
 
 def die_with_parent() -> None:
@@ -58,6 +60,19 @@ def return_free_memory() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).malloc_trim(0)
+
+
+def release_mapped_pages(tensor: Tensor) -> None:
+    """Drop the resident pages of ``tensor``, which must be a slice of a read-only memory-mapped file (a shard's array,
+    never written): they stay in the kernel's page cache and are read back on the next touch, but no longer count in
+    this process's memory. On anonymous memory this would zero the data: never call it there. Linux only."""
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    first, last = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
 
 
 def reset_peak_rss() -> None:

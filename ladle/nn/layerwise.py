@@ -25,6 +25,7 @@ from torch_geometric.data import Data
 from torch_geometric.nn import GATConv
 from tqdm import tqdm
 
+from ladle.core.resources import release_mapped_pages
 from ladle.graph.inputs import use_sparse_features
 from ladle.graph.shards import Shard
 from ladle.nn.models import GNN, GCNLayer, SAGELayer
@@ -42,12 +43,16 @@ class LayerwiseInference:
 
     ``rowptr``/``col``: the in-edge CSR (row ``v`` lists the sources ``u`` of the edges ``u -> v``), as
     :mod:`ladle.graph.shards` stores it. Built once per graph; each :meth:`logits` call takes any weights.
+    ``mapped``: ``x`` and ``col`` are a shard's read-only memory-mapped files; the pages of ``col`` a batch of rows
+    read, and those of ``x`` once its first aggregation is cached, are then handed back
+    (:func:`~ladle.core.resources.release_mapped_pages`), so the files are not held resident pass after pass.
     """
 
-    def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> None:
+    def __init__(self, x: Tensor, rowptr: Tensor, col: Tensor, batch_entries: int = DEFAULT_BATCH_ENTRIES,
+                 mapped: bool = False) -> None:
         if batch_entries < 1:
             raise ValueError(f"batch_entries must be >= 1, got {batch_entries}")
-        self.x, self.rowptr, self.col = x, rowptr, col
+        self.x, self.rowptr, self.col, self.mapped = x, rowptr, col, mapped
         self.num_nodes = rowptr.numel() - 1
         in_degree = rowptr.diff().float().unsqueeze(1)
         self.gcn_scale = (in_degree + 1).pow(-0.5)  # D^-1/2, degrees counted in A + I
@@ -71,7 +76,7 @@ class LayerwiseInference:
     @classmethod
     def from_shard(cls, shard: Shard, batch_entries: int = DEFAULT_BATCH_ENTRIES) -> LayerwiseInference:
         """From a loaded shard (usually a run's ``shards/graph``): its CSR is used as it is, memory-mapped."""
-        return cls(shard.data.x, shard.rowptr, shard.col, batch_entries)
+        return cls(shard.data.x, shard.rowptr, shard.col, batch_entries, mapped=True)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -140,8 +145,21 @@ class LayerwiseInference:
                 else:  # (A + I) D^-1/2 X: the neighbours, each scaled by its entry, plus the node itself
                     torch.mul(x[start:end], self.gcn_scale[start:end], out=out[start:end])
                     out[start:end].addmm_(self._rows(start, end, scaled=True), x)
+                self._read(start, end)
             self._first[key] = out.mul_(self.mean_scale if mean else self.gcn_scale)
+            self.release()  # a GCN pass does not read the features again
         return self._first[key]
+
+    def release(self) -> None:
+        """Hand back the resident pages of the memory-mapped features and CSR (``mapped``; else nothing)."""
+        if self.mapped:
+            release_mapped_pages(self.x)
+            release_mapped_pages(self.col)
+
+    def _read(self, start: int, end: int) -> None:
+        """A batch of rows is done with the CSR: its pages of ``col`` go back (``mapped``)."""
+        if self.mapped:
+            release_mapped_pages(self.col[int(self.rowptr[start]):int(self.rowptr[end])])
 
     def _row_chunks(self) -> list[tuple[int, int]]:
         """Consecutive ranges of :data:`ROW_CHUNK` nodes, for work that is dense row by row."""
@@ -206,12 +224,14 @@ class LayerwiseInference:
             (projected,) = inputs
             for start, end in self.ranges:  # (A + I) rows of the batch, then the target's own scale
                 out = torch.addmm(projected[start:end], self._rows(start, end), projected)
+                self._read(start, end)
                 out.mul_(self.gcn_scale[start:end])
                 yield start, end, out.add_(conv.bias) if conv.bias is not None else out
         elif isinstance(conv, SAGELayer):  # mean over in-neighbours, plus the root's own projection
             neighbours, roots = inputs
             for start, end in self.ranges:
                 out = torch.mm(self._rows(start, end), neighbours).mul_(self.mean_scale[start:end])
+                self._read(start, end)
                 yield start, end, out.add_(conv.lin_l.bias).add_(roots[start:end])
         else:
             assert isinstance(conv, GATConv)
@@ -230,6 +250,7 @@ class LayerwiseInference:
             local[others] = torch.arange(others.numel()) + (end - start)
             needed = torch.cat([torch.arange(start, end), others])
             batch = conv((h[needed], h[start:end]), torch.stack([local[sources], targets]))
+            self._read(start, end)
             local[needed] = -1
             yield start, end, batch
 

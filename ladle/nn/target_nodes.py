@@ -75,6 +75,7 @@ class TargetInference:
         self.gcn_scale = [gcn_scale[level] for level in levels]
         self.mean_scale = [mean_scale[level] for level in levels]
         self.graph = graph
+        graph.release()  # the rows read above: their CSR pages go back
         self._aggregated: dict[str, Tensor] = {}
         self._first_out = Tensor()  # the first level's output, the largest of a call: one buffer for every call
 
