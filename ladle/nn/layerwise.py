@@ -101,12 +101,9 @@ class LayerwiseInference:
         first = model.convs[0]
         sparse = use_sparse_features(self.x, model.model)
         cached = not sparse and self.caches_aggregation and isinstance(first, (GCNLayer, SAGELayer))
-        if cached:
-            inputs = []
-        elif isinstance(first, GATConv):
-            inputs = [self.x]
-        else:
-            inputs = self._inputs(first, self._feature_rows(), sparse)
+        inputs: list[Tensor] = []  # what the first layer reads: nothing when it starts from the cached aggregation
+        if not cached:
+            inputs = [self.x] if isinstance(first, GATConv) else self._inputs(first, self._feature_rows(), sparse)
         for i, conv in enumerate(model.convs):
             rows = self._first_rows(first) if i == 0 and cached else self._output_rows(conv, inputs)
             bar.update(1)
@@ -166,6 +163,7 @@ class LayerwiseInference:
         return [(start, min(start + ROW_CHUNK, self.num_nodes)) for start in range(0, self.num_nodes, ROW_CHUNK)]
 
     def _feature_rows(self) -> Rows:
+        """The features, :data:`ROW_CHUNK` rows at a time (the first layer's input when it has no cached aggregation)."""
         return ((start, end, self.x[start:end]) for start, end in self._row_chunks())
 
     def _first_rows(self, conv: nn.Module) -> Rows:
