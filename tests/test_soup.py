@@ -436,4 +436,3 @@ def test_the_default_soup_takes_bounded_forms_on_a_large_graph(cora_run: Path, d
     assert "in core-seconds" in format_table(report)
     assert soup_run(run, search="grid", data_root=data_root, write=False)["scaled"]["search"] == "grid"
     assert soup_run(run, method="uniform", data_root=data_root, write=False)["scaled"] is None  # named: as asked
-

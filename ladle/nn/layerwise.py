@@ -209,12 +209,9 @@ class LayerwiseInference:
 
     def node_rows(self, nodes: Tensor, scaled: bool = False) -> Tensor:
         """The rows of ``nodes`` (sorted ids), a ``[len(nodes), N]`` CSR of their in-edges (entries as :meth:`_rows`)."""
-        counts = self.rowptr[nodes + 1] - self.rowptr[nodes]
-        crow = torch.zeros(nodes.numel() + 1, dtype=torch.long)
-        crow[1:] = counts.cumsum(0)
         columns = self.col[row_entries(self.rowptr, nodes)]
         values = self.gcn_scale.view(-1)[columns] if scaled else torch.ones(columns.numel())
-        return csr(crow, columns, values, (nodes.numel(), self.num_nodes))
+        return csr(row_pointers(self.rowptr, nodes), columns, values, (nodes.numel(), self.num_nodes))
 
     def _output_rows(self, conv: nn.Module, inputs: list[Tensor]) -> Rows:
         """Layer ``conv``'s output, a batch of rows (:attr:`ranges`) at a time, from its :meth:`_inputs`."""
@@ -269,6 +266,13 @@ def row_entries(rowptr: Tensor, rows: Tensor) -> Tensor:
     starts, counts = rowptr[rows], rowptr[rows + 1] - rowptr[rows]
     offsets = torch.repeat_interleave(starts - (counts.cumsum(0) - counts), counts)
     return offsets + torch.arange(int(counts.sum()))
+
+
+def row_pointers(rowptr: Tensor, rows: Tensor) -> Tensor:
+    """The row pointers of ``rows``' entries taken alone, row after row (as :func:`row_entries` lists them)."""
+    crow = torch.zeros(rows.numel() + 1, dtype=torch.long)
+    crow[1:] = (rowptr[rows + 1] - rowptr[rows]).cumsum(0)
+    return crow
 
 
 def csr(crow: Tensor, columns: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
