@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
+from ladle.graph import synthetic as synthetic_module
 from ladle.graph.datasets import load_dataset, resolve_data_root
 from ladle.graph.partition import InEdges, metis_partition
 from ladle.graph.splits import per_class_split
@@ -96,13 +98,16 @@ def test_a_graph_with_communities_has_the_locality_metis_keeps() -> None:
         load_dataset("synthetic:nodes=100,communities=101")
 
 
-def test_undirected_edges_in_place_are_what_to_undirected_gives() -> None:
+def test_undirected_edges_in_place_are_what_to_undirected_gives(monkeypatch) -> None:
     low, high = torch.randint(50, (2, 400), generator=torch.Generator().manual_seed(0)).sort(0).values
     apart = low != high  # the generator drops self-loops; duplicates stay
-    pairs = (low * 50 + high)[apart].numpy().copy()
+    drawn = (low * 50 + high)[apart].numpy()
+    pairs = np.concatenate([drawn, np.full(30, 7)])  # a buffer longer than what was drawn into it
     expected = to_undirected(torch.stack([low, high])[:, apart], num_nodes=50)
-    assert torch.equal(torch.from_numpy(_undirected_edges(pairs, 50)), expected)
-    assert _undirected_edges(pairs[:0], 50).shape == (2, 0)
+    monkeypatch.setattr(synthetic_module, "_KEY_CHUNK", 64)  # the reversed pairs in several chunks
+    assert torch.equal(torch.from_numpy(_undirected_edges(pairs, drawn.size, 50)), expected)
+    assert pairs.size == 0  # consumed: its memory handed back
+    assert _undirected_edges(np.empty(4, dtype=np.int64), 0, 50).shape == (2, 0)
 
 
 def test_synthetic_spec_errors() -> None:

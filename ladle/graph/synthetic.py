@@ -104,28 +104,34 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
         src, dst = src[keep], dst[keep]
         pairs[count:count + src.numel()] = (torch.minimum(src, dst) * nodes + torch.maximum(src, dst)).numpy()
         count += src.numel()
-    edge_index = torch.from_numpy(_undirected_edges(pairs[:count], nodes))
-    del pairs
+    edge_index = torch.from_numpy(_undirected_edges(pairs, count, nodes))
     train, val, test = random_split(torch.ones(nodes, dtype=torch.bool), 0.1, 0.1, seed=seed)
     data = Data(x=x, y=y, edge_index=edge_index, train_mask=train, val_mask=val, test_mask=test)
     data.name = "synthetic"
     return data
 
 
-def _undirected_edges(pairs: np.ndarray, nodes: int) -> np.ndarray:
-    """Both directions of the distinct undirected ``pairs`` (keys ``low * nodes + high``), sorted by
-    (source, target), as a ``[2, E]`` int64 array: what ``to_undirected`` gives, without its copies (the sorted
-    keys grow in place into the two rows: the peak is the output)."""
-    pairs.sort()
-    distinct = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))] if pairs.size else pairs
-    del pairs
-    edges = 2 * distinct.size
-    keys = np.empty(edges, dtype=np.int64)
-    keys[:distinct.size] = distinct
-    np.remainder(distinct, nodes, out=keys[distinct.size:])
-    keys[distinct.size:] *= nodes
-    keys[distinct.size:] += distinct // nodes
-    del distinct
+_KEY_CHUNK = 1 << 22  # pairs reversed at once
+
+
+def _undirected_edges(pairs: np.ndarray, count: int, nodes: int) -> np.ndarray:
+    """Both directions of the distinct undirected pairs among ``pairs[:count]`` (keys ``low * nodes + high``),
+    sorted by (source, target), as a ``[2, E]`` int64 array: what ``to_undirected`` gives, without its copies.
+    ``pairs`` is consumed (its memory handed back once read); the sorted keys then grow in place into the two
+    rows, so the peak is the output."""
+    drawn = pairs[:count]
+    drawn.sort()
+    first = np.ones(count, dtype=bool)
+    np.not_equal(drawn[1:], drawn[:-1], out=first[1:])
+    distinct = int(first.sum())
+    keys = np.empty(2 * distinct, dtype=np.int64)
+    np.compress(first, drawn, out=keys[:distinct])
+    del drawn, first
+    pairs.resize(0, refcheck=False)
+    for start in range(0, distinct, _KEY_CHUNK):  # the reversed pairs, high * nodes + low
+        forward = keys[start:min(start + _KEY_CHUNK, distinct)]
+        keys[distinct + start:distinct + start + forward.size] = forward % nodes * nodes + forward // nodes
+    edges = keys.size
     keys.sort()
     keys.resize(2 * edges, refcheck=False)  # realloc: the sorted keys stay in the first half
     edge_index = keys.reshape(2, edges)
