@@ -21,7 +21,7 @@ from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import add_recipe_arguments, recipe_from_args
 from ladle.core.storage import read_json
 from ladle.graph.datasets import CACHE_MARKER, cache_dir, discard, is_cache_entry
-from ladle.graph.shards import prepare_shards, summary_table
+from ladle.graph.shards import ShardSet, prepare_shards
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -58,10 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         raise LadleError("--older-than and --max-size go with --prune")
     recipe = recipe_from_args(args)
     shards = prepare_shards(recipe, args.ingredients, args.data_root, args.force)
-    print(summary_table(shards))
+    print(shard_table(shards))
     print(f"shards: {shards.path} (prepared in {shards.meta['seconds']:.1f} s; "
           "ladle.train with the same recipe, -k and seed links them as <run>/shards)")
     return 0
+
+
+def shard_table(shards: ShardSet) -> str:
+    """One line per shard: nodes, edges, train/val/test nodes and size on disk."""
+    lines = [f"{'shard':<10}{'nodes':>10}{'edges':>12}{'train':>8}{'val':>8}{'test':>9}{'MB':>9}"]
+    for name in ["graph", *shards.meta["parts"]]:
+        meta = read_json(shards.path / name / "meta.json")
+        size = sum(p.stat().st_size for p in (shards.path / name).iterdir()) / 2**20
+        lines.append(f"{name:<10}{meta['num_nodes']:>10}{meta['num_edges']:>12}{meta['train_nodes']:>8}"
+                     f"{meta['val_nodes']:>8}{meta['test_nodes']:>9}{size:>9.1f}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from tqdm import tqdm
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import PARTITION_KINDS, Recipe, ViewConfig
+from ladle.core.resources import release_mapped_pages
 from ladle.core.storage import atomic_open, check_regular, read_json, write_json
 from ladle.graph.datasets import (
     cache_dir,
@@ -131,11 +133,12 @@ class PartShardView(FullView):
 
 
 def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tensor, extra: dict[str, Any],
-                owned: Tensor | None = None, degree: Tensor | None = None) -> dict[str, Any]:
+                owned: Tensor | None = None, degree: Tensor | None = None, saved: Collection[str] = ()) -> dict[str, Any]:
     """Write the subgraph of ``data`` on ``nodes`` (global ids, with its local CSR) as a shard; return its meta.
 
     ``owned`` (bool per node): nodes outside it are a read-only halo (split masks false there);
-    ``degree`` (whole-graph in-degree per node) is stored for the halo's exact normalisation.
+    ``degree`` (whole-graph in-degree per node) is stored for the halo's exact normalisation; ``saved``: arrays
+    already written in ``path`` (:func:`save_array`), not written again.
     """
     whole = nodes.numel() == data.num_nodes  # nodes are sorted and unique: all of them, in order
 
@@ -159,10 +162,17 @@ def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tens
             **(_halo_footprint(arrays, owned) if owned is not None else {}),
             "arrays": {name: [list(array.shape), str(array.numpy().dtype)] for name, array in arrays.items()}}
     for name, array in arrays.items():
-        with atomic_open(path / f"{name}.npy") as stream:
-            np.save(stream, array.contiguous().numpy(), allow_pickle=False)
+        if name not in saved:
+            save_array(path, name, array)
     write_json(path / "meta.json", meta)
     return meta
+
+
+def save_array(path: Path, name: str, array: Tensor) -> Tensor:
+    """Write ``array`` as ``path/name.npy`` (atomically) and return it memory-mapped back from there."""
+    with atomic_open(path / f"{name}.npy") as stream:
+        np.save(stream, array.contiguous().numpy(), allow_pickle=False)
+    return torch.from_numpy(np.load(path / f"{name}.npy", mmap_mode="c", allow_pickle=False))
 
 
 def _halo_footprint(arrays: dict[str, Tensor], owned: Tensor) -> dict[str, int]:
@@ -369,12 +379,13 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
            inputs: dict[str, Any], graph: Data | None = None) -> dict[str, Any]:
     """Load the dataset, partition it and write every shard of the run into ``folder``; return ``shards.json``.
 
-    The memory stays near one copy of the graph: its edges are held once, as the in-edge CSR (the
-    dataset's ``edge_index`` is dropped once that is built), and the per-node arrays are read back
-    memory-mapped from the whole-graph shard as soon as it is written, so partitioning and each part
-    touch only the rows they need.
+    The memory stays near one copy of the graph's edges: the features are written to the whole-graph shard and
+    memory-mapped back before the in-edge CSR is built, the edges are then held once, as that CSR (the dataset's
+    ``edge_index`` is dropped once it is built), and the other per-node arrays are read back memory-mapped from
+    the whole-graph shard as soon as it is written, so partitioning and each part touch only the rows they need.
     """
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features) if graph is None else copy.copy(graph)
+    data.x = save_array(folder / "graph", "x", data.x)
     adj = InEdges(data.edge_index, data.num_nodes)
     data.edge_index = None
     common = {"dataset": recipe.dataset.lower(), "view": recipe.view.kind}
@@ -382,19 +393,19 @@ def _build(recipe: Recipe, ingredients: int, data_root: str | Path | None, folde
     with tqdm(total=1 + (ingredients if partitioned else 0), desc=f"preparing shards of {recipe.dataset}", unit="shard",
               leave=False, dynamic_ncols=True, disable=None) as bar:
         graph = write_shard(folder / "graph", data, torch.arange(data.num_nodes), adj.rowptr, adj.src,
-                            {**common, "k": None, "num_ingredients": ingredients})
+                            {**common, "k": None, "num_ingredients": ingredients}, saved={"x"})
         bar.update(1)
         data = load_shard(folder / "graph", edge_index=False).data  # per-node arrays memory-mapped from now on
         view = build_view(data, recipe.view, 0, ingredients, recipe.seed, adj=adj)  # bad K etc. fail here
         partition: Tensor | None = getattr(view, "parts", None)
         del view
+        release_mapped_pages(data.x)  # the rows part 0's view read (written by no one: the shard's read-only copy)
         parts: list[str] = []
         if partitioned:
             assert partition is not None
             parts = _write_parts(data, adj, partition, ingredients, recipe.view.halo, folder, common, bar)
     if partition is not None:
-        with atomic_open(folder / "partition.npy") as stream:
-            np.save(stream, partition.numpy(), allow_pickle=False)
+        save_array(folder, "partition", partition)
     return {"format": SHARD_FORMAT, "inputs": inputs,
             "graph": {k: v for k, v in graph.items() if k != "arrays"}, "parts": parts,
             "partition": partition is not None, "created": dt.datetime.now().isoformat(timespec="seconds")}
@@ -423,19 +434,9 @@ def _write_parts(data: Data, adj: InEdges, parts: Tensor, num_parts: int, halo: 
                  "total_cut_edges": total_cut, **({"halo": halo} if halo else {})}
         meta = write_shard(folder / f"part-{k:02d}", data, part.nodes, rowptr, part.edge_index[0], extra,
                            part.owned if halo else None, part.degree)
+        release_mapped_pages(data.x)  # this part's feature rows
         if meta["train_nodes"] == 0:
             log.warning("ingredient %d: its %s part has no train nodes", k, common["view"])
         names.append(f"part-{k:02d}")
         bar.update(1)
     return names
-
-
-def summary_table(shards: ShardSet) -> str:
-    """One line per shard: nodes, edges, train/val/test nodes and size on disk."""
-    lines = [f"{'shard':<10}{'nodes':>10}{'edges':>12}{'train':>8}{'val':>8}{'test':>9}{'MB':>9}"]
-    for name in ["graph", *shards.meta["parts"]]:
-        meta = read_json(shards.path / name / "meta.json")
-        size = sum(p.stat().st_size for p in (shards.path / name).iterdir()) / 2**20
-        lines.append(f"{name:<10}{meta['num_nodes']:>10}{meta['num_edges']:>12}{meta['train_nodes']:>8}"
-                     f"{meta['val_nodes']:>8}{meta['test_nodes']:>9}{size:>9.1f}")
-    return "\n".join(lines)
