@@ -14,7 +14,12 @@ from ladle.core.errors import LadleError
 from ladle.core.recipe import ViewConfig, load_recipe
 from ladle.graph import partition as partition_module
 from ladle.graph.inputs import adjacency, graph_inputs
-from ladle.graph.partition import InEdges, label_balanced_partition, metis_partition
+from ladle.graph.partition import (
+    InEdges,
+    label_balanced_partition,
+    metis_partition,
+    refine_partition,
+)
 from ladle.graph.shards import load_shard, prepare_shards
 from ladle.graph.views import build_view
 from ladle.nn.models import build_model
@@ -104,6 +109,31 @@ def test_metis_above_its_edge_budget_partitions_a_symmetric_sample(cora_data: Da
     src, dst = cora_data.edge_index  # still far better than random: cut measured on the whole graph
     random = build_view(cora_data, ViewConfig(kind="random"), 0, K, seed=0).parts
     assert (parts[src] != parts[dst]).sum() < 0.6 * (random[src] != random[dst]).sum()
+    monkeypatch.setattr(partition_module, "refine_partition", lambda adj, parts, num_parts: parts)
+    unrefined = metis_partition(adj, K, 0)  # the sample's parts, as METIS left them
+    assert (parts[src] != parts[dst]).sum() < (unrefined[src] != unrefined[dst]).sum()
+
+
+def test_refinement_cuts_fewer_edges_and_keeps_parts_within_the_limit(cora_data: Data, monkeypatch) -> None:
+    adj = InEdges(cora_data.edge_index, cora_data.num_nodes)
+    n = cora_data.num_nodes
+
+    def cut(parts: Tensor) -> int:
+        return int(partition_module.cut_edges(adj, parts, K).sum())
+
+    random = partition_module.random_partition(n, K, torch.Generator().manual_seed(0))
+    refined = refine_partition(adj, random, K)
+    assert cut(refined) < 0.5 * cut(random)  # measured: 36 % of the edges cut instead of 87 %
+    assert int(torch.bincount(refined, minlength=K).max()) <= partition_module.METIS_IMBALANCE * n / K
+    assert torch.equal(refine_partition(adj, random, K), refined)  # deterministic
+    monkeypatch.setattr(partition_module, "_REFINE_COUNTS", 64)  # rows and edges in many blocks: the same moves
+    assert torch.equal(refine_partition(adj, random, K), refined)
+    metis = metis_partition(adj, K, 0)
+    assert cut(refine_partition(adj, metis, K)) <= cut(metis)  # never worse than what it was given
+    lopsided = torch.zeros(n, dtype=torch.long)
+    lopsided[: n // 10] = torch.arange(n // 10) % (K - 1) + 1  # part 0 holds 90 %: above the limit already
+    assert int(torch.bincount(refine_partition(adj, lopsided, K), minlength=K).max()) <= int(
+        torch.bincount(lopsided, minlength=K).max())
 
 
 def _logits(model: torch.nn.Module, graph: Data, kind: str) -> Tensor:
