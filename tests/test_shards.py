@@ -98,8 +98,9 @@ def test_a_part_worker_holds_its_part_even_after_the_trunk(tmp_path: Path) -> No
     run = train_ingredients(recipe, ingredients=8, workers=1, run_dir=tmp_path / "run")
     assert not run.failed and run.trunk is not None and len(run.ingredients) == 8
     parts = [meta["peak_rss_mb"] for meta in run.ingredients]
-    # measured: parts 436-455 MiB, trunk 859 (700-729 for the parts while the trunk's graph stayed loaded)
-    assert max(parts) < 0.6 * run.trunk["peak_rss_mb"], (parts, run.trunk["peak_rss_mb"])
+    # measured: parts 436-455 MiB, trunk 859 (700-729, 0.83x, for the parts while the trunk's graph stayed loaded);
+    # later 481-552 MiB against 872-919 (0.55-0.60x: the interpreter's share moves with the machine's load)
+    assert max(parts) < 0.7 * run.trunk["peak_rss_mb"], (parts, run.trunk["peak_rss_mb"])
 
 
 def test_train_ingredients_from_shards_matches_the_whole_graph_path(data_root: Path, cora_data,

@@ -133,7 +133,8 @@ class PartShardView(FullView):
 
 
 def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tensor, extra: dict[str, Any],
-                owned: Tensor | None = None, degree: Tensor | None = None, saved: Collection[str] = ()) -> dict[str, Any]:
+                owned: Tensor | None = None, degree: Tensor | None = None,
+                saved: Collection[str] = ()) -> dict[str, Any]:
     """Write the subgraph of ``data`` on ``nodes`` (global ids, with its local CSR) as a shard; return its meta.
 
     ``owned`` (bool per node): nodes outside it are a read-only halo (split masks false there);
