@@ -15,6 +15,7 @@ the local run's. Writes ``bench/results/ray-nodes.json``. :func:`loopback_cluste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -52,7 +53,8 @@ def loopback_cluster() -> Iterator[tuple[str, int]]:
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
     common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     try:
-        with tempfile.TemporaryDirectory(prefix="ray-") as temp:  # short: Ray's socket paths must fit 107 bytes
+        # short: Ray's socket paths must fit 107 bytes
+        with tempfile.TemporaryDirectory(prefix="ray-", ignore_cleanup_errors=True) as temp:
             try:
                 for args in (["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", temp],
                              ["--address", f"127.0.0.1:{port}", "--node-manager-port", str(second)]):
@@ -61,13 +63,38 @@ def loopback_cluster() -> Iterator[tuple[str, int]]:
                         raise RuntimeError(f"ray start {' '.join(args)} failed: {started.stderr[-2000:]}")
                 yield f"127.0.0.1:{port}", second
             finally:
-                subprocess.run([str(RAY), "stop", "--force"], capture_output=True)
+                _stop_cluster(temp, port)
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _stop_cluster(temp: str, port: int, timeout: float = 10) -> None:
+    """SIGKILL this cluster's processes alone — those whose arguments name its temp folder or its GCS port, and their
+    descendants — and wait until they are gone (``ray stop`` would stop every Ray cluster of the machine, a
+    concurrent test's too)."""
+    marks = (temp.encode(), f":{port}".encode())
+    table = [(pid, parent, args) for pid, parent, args in _processes() if pid != os.getpid()]
+    doomed = {pid for pid, _, args in table if any(mark in arg for arg in args for mark in marks)}
+    while children := {pid for pid, parent, _ in table if parent in doomed} - doomed:
+        doomed |= children
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(pid) for pid in doomed):
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _processes() -> Iterator[tuple[int, int, list[bytes]]]:
