@@ -14,7 +14,10 @@ from ladle.core.errors import LadleError, run_cli
 from ladle.core.recipe import load_recipe
 from ladle.core.resources import release_mapped_pages
 from ladle.core.storage import load_state
+from ladle.graph import shards as shards_module
+from ladle.graph.datasets import load_dataset
 from ladle.graph.inputs import graph_inputs
+from ladle.graph.partition import InEdges
 from ladle.graph.shards import ShardSet, load_shard, prepare_shards, shard_key
 from ladle.graph.sparse import SparseMatrix
 from ladle.graph.views import batch_graph, build_view
@@ -86,6 +89,23 @@ def test_prepare_command(data_root: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "part-02" in out and "shards:" in out
     assert run_cli(prepare_main, ["view.kind=metis", "-k", "3000", "--data-root", str(data_root)]) == 2
     assert "cannot split 2708 nodes" in capsys.readouterr().err
+
+
+def test_prepare_writes_the_features_before_it_builds_the_csr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The features are on disk (and mapped back) by the time the in-edge CSR is built, so prepare never holds the
+    two together; the shard's features are still the graph's."""
+    on_disk: list[bool] = []
+
+    def in_edges(edge_index: torch.Tensor, num_nodes: int) -> InEdges:
+        on_disk.append(any(tmp_path.glob("shards/.*.tmp/graph/x.npy")))  # in the build's temporary folder
+        return InEdges(edge_index, num_nodes)
+
+    monkeypatch.setenv("LADLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(shards_module, "InEdges", in_edges)
+    spec = "synthetic:nodes=3000,degree=6,features=16,classes=4"
+    shards = prepare_shards(load_recipe(None, [*TRUNKLESS, f"dataset={spec}", "view.kind=metis"]), 4, force=True)
+    assert on_disk == [True]
+    assert torch.equal(load_shard(shards.graph()).data.x, load_dataset(spec).x)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
