@@ -1,8 +1,9 @@
-"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.core.rundir`).
+"""Safe, atomic checkpoints: safetensors weights + JSON metadata (their names: :mod:`ladle.core.rundir`), and the
+``.npy`` arrays of cached datasets and shards.
 
 Every write goes to a temporary file in the same folder, is fsynced, then renamed over the target:
 a crash leaves the old file or the new, never half. Nothing here unpickles: weights load with
-safetensors, metadata with json.
+safetensors, metadata with json, arrays are saved without pickle.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
@@ -84,6 +86,12 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     with atomic_open(path, "w") as stream:
         json.dump(payload, stream, indent=2, sort_keys=True)
         stream.write("\n")
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Atomically write ``array`` as a ``.npy`` file, without pickle."""
+    with atomic_open(path) as stream:
+        np.save(stream, array, allow_pickle=False)
 
 
 def read_json(path: Path, fix: str = "delete it and retrain that part") -> dict[str, Any]:

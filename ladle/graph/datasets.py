@@ -31,7 +31,7 @@ from torch_geometric.data.storage import GlobalStorage
 from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import atomic_open, check_regular, read_json, write_json
+from ladle.core.storage import check_regular, read_json, save_npy, write_json
 from ladle.graph.splits import per_class_split, random_split
 from ladle.graph.synthetic import NAMED_GRAPHS, parse_synthetic, synthetic_graph
 
@@ -371,8 +371,7 @@ def _write_entry(entry: Path, key: str, data: Data) -> None:
     try:
         mark_cache_entry(temp)
         for name, array in arrays.items():
-            with atomic_open(temp / f"{name}.npy") as stream:
-                np.save(stream, array, allow_pickle=False)
+            save_npy(temp / f"{name}.npy", array)
         write_json(temp / "meta.json", {
             "format": DATASET_FORMAT, "dataset": key, "num_nodes": int(data.num_nodes),
             "torch_geometric": torch_geometric.__version__,

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from ladle.core.errors import LadleError
 from ladle.core.recipe import PARTITION_KINDS, Recipe, ViewConfig
 from ladle.core.resources import release_mapped_pages
-from ladle.core.storage import atomic_open, check_regular, read_json, write_json
+from ladle.core.storage import check_regular, read_json, save_npy, write_json
 from ladle.graph.datasets import (
     cache_dir,
     dataset_identity,
@@ -171,8 +171,7 @@ def write_shard(path: Path, data: Data, nodes: Tensor, rowptr: Tensor, col: Tens
 
 def save_array(path: Path, name: str, array: Tensor) -> Tensor:
     """Write ``array`` as ``path/name.npy`` (atomically) and return it memory-mapped back from there."""
-    with atomic_open(path / f"{name}.npy") as stream:
-        np.save(stream, array.contiguous().numpy(), allow_pickle=False)
+    save_npy(path / f"{name}.npy", array.contiguous().numpy())
     return torch.from_numpy(np.load(path / f"{name}.npy", mmap_mode="c", allow_pickle=False))
 
 
