@@ -92,10 +92,33 @@ def test_a_graph_with_communities_has_the_locality_metis_keeps() -> None:
     src, dst = local.edge_index
     assert 0.45 < float((local.y[src] == local.y[dst]).float().mean()) < 0.75  # about 0.8 x 0.8^2 + 0.2 / 12
     assert parse_synthetic("synthetic-products") == {**SYNTHETIC_DEFAULTS, "nodes": 1_000_000, "degree": 26,
-                                                     "features": 100, "classes": 47, "homophily": 0.8,
-                                                     "signal": 0.15, "communities": 2000, "locality": 0.8}
+                                                     "features": 100, "classes": 47, "homophily": 0.95,
+                                                     "signal": 0.15, "communities": 2000, "locality": 0.8,
+                                                     "subclasses": 4, "affinity": 0.4}
     with pytest.raises(LadleError, match="0 <= communities <= nodes"):
         load_dataset("synthetic:nodes=100,communities=101")
+
+
+def test_subclasses_put_several_classes_in_a_community_told_apart_by_their_neighbours() -> None:
+    """With subclasses = m a community holds m classes in m groups of its nodes; affinity draws a node's
+    partners from its own group, so more edges join nodes of one class, and it moves edges only."""
+    options = dict(nodes=6000, degree=20, features=16, classes=30, homophily=1.0, signal=0.15, seed=3,
+                   communities=30, locality=0.8)
+    one = synthetic_graph(**options)
+    loose = synthetic_graph(**options, subclasses=3, affinity=0.0)
+    kin = synthetic_graph(**options, subclasses=3, affinity=0.6)
+    assert torch.equal(loose.y, kin.y) and torch.equal(loose.x, kin.x)
+    assert not torch.equal(one.y, kin.y)
+
+    def same_class(data) -> float:
+        src, dst = data.edge_index
+        return float((data.y[src] == data.y[dst]).float().mean())
+
+    # measured 0.81, 0.59, 0.30: about 0.8 + 0.2 / 30, 0.8 x (0.6 + 0.4 / 3), 0.8 / 3
+    assert same_class(one) > 0.75 and 0.5 < same_class(kin) < 0.7 and same_class(loose) < 0.4
+    for bad in ("subclasses=0", "subclasses=2", "communities=5,subclasses=11"):
+        with pytest.raises(LadleError, match="1 <= subclasses <= classes"):
+            load_dataset(f"synthetic:nodes=100,{bad}")
 
 
 def test_undirected_edges_in_place_are_what_to_undirected_gives(monkeypatch) -> None:
