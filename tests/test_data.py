@@ -105,6 +105,8 @@ def test_subclasses_put_several_classes_in_a_community_told_apart_by_their_neigh
     options = dict(nodes=6000, degree=20, features=16, classes=30, homophily=1.0, signal=0.15, seed=3,
                    communities=30, locality=0.8)
     one = synthetic_graph(**options)
+    # one class a community is the graph generated before subclasses existed (figures of that code, 901eec7)
+    assert (one.edge_index.shape[1], int(one.edge_index[1].sum()), int(one.y.sum())) == (115928, 347846798, 70479)
     loose = synthetic_graph(**options, subclasses=3, affinity=0.0)
     kin = synthetic_graph(**options, subclasses=3, affinity=0.6)
     assert torch.equal(loose.y, kin.y) and torch.equal(loose.x, kin.x)
