@@ -80,6 +80,7 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
     interpreter).
     """
     generator = torch.Generator().manual_seed(seed)
+    cells = None  # with subclasses: each node's group in its community, the nodes by group, where each starts
     if communities:
         group = torch.randint(communities, (nodes,), generator=generator)
         dominant = torch.randint(classes, (communities,), generator=generator)
@@ -92,7 +93,7 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
             cell_class[:, 0] = dominant
             y = torch.where(own, cell_class[group, cell], noise)
             cell += group * subclasses
-            by_cell, cell_start = _grouped(cell, communities * subclasses)
+            cells = (cell, *_grouped(cell, communities * subclasses))
         else:
             y = torch.where(own, dominant[group], noise)
     else:  # the group a partner is drawn from is the class
@@ -110,9 +111,9 @@ def synthetic_graph(nodes: int, degree: int, features: int, classes: int, homoph
         src = ids.repeat_interleave(half)
         same = torch.rand(src.numel(), generator=generator) < same_group
         intra = _member(group[src], by_group, group_start, generator)
-        if communities and subclasses > 1:
+        if cells is not None:
             kin = torch.rand(src.numel(), generator=generator) < affinity
-            intra = torch.where(kin, _member(cell[src], by_cell, cell_start, generator), intra)
+            intra = torch.where(kin, _member(cells[0][src], *cells[1:], generator), intra)
         anywhere = torch.randint(nodes, (src.numel(),), generator=generator)
         dst = torch.where(same, intra, anywhere)
         keep = src != dst
