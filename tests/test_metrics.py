@@ -157,8 +157,10 @@ def test_soup_scoring_bar_counts_every_scoring(cli_run, data_root: Path) -> None
     report = soup_run(run_dir, method="all", data_root=data_root, write=False)
     scored = len(report["ingredients"]) + sum(soup["evaluations"] for soup in report["soups"]
                                               if soup["method"] in ("greedy", "gis"))
-    assert planned_scorings(chosen_methods("all"), 2, 21, fast=False) == scored == 2 + 2 + 21
-    assert planned_scorings(chosen_methods("gis"), 3, 21, fast=True) == 3 + 2 * (5 + 2 * 3)  # steps 1/8, 1/16, 1/32 < 1/20
+    # greedy scores its second ingredient's mix, GIS the grid but its two ends (the soup, the ingredient: known)
+    assert planned_scorings(chosen_methods("all"), 2, 21, fast=False) == scored == 2 + 1 + 19
+    # the fast search: 5 points, 2 per halving (steps 1/8, 1/16, 1/32 < 1/20), less the two ends; the trunk scored once
+    assert planned_scorings(chosen_methods("gis"), 3, 21, fast=True, trunk=True) == 4 + 3 * (5 + 2 * 3 - 2)
 
 
 def test_unknown_or_missing_logger_is_one_line_exit_2(monkeypatch) -> None:

@@ -27,6 +27,7 @@ from ladle.soup.evaluator import Evaluator
 from ladle.soup.methods import (
     greedy_interpolation_soup,
     greedy_soup,
+    interpolation_of,
     search_alpha,
     uniform_soup,
 )
@@ -73,8 +74,9 @@ def _toy_scorer(target: torch.Tensor):
 def test_fast_alpha_search_matches_grid_with_fewer_evaluations() -> None:
     soup, ingredient = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
     score = _toy_scorer(torch.full((3,), 0.37))
-    grid_alpha, grid_tried = search_alpha(soup, ingredient, score, "loss", 21, fast=False)
-    fast_alpha, fast_tried = search_alpha(soup, ingredient, score, "loss", 21, fast=True)
+    mixes = interpolation_of(score)(soup, ingredient)
+    grid_alpha, grid_tried = search_alpha(mixes, "loss", 21, fast=False)
+    fast_alpha, fast_tried = search_alpha(mixes, "loss", 21, fast=True)
     assert len(fast_tried) < len(grid_tried) == 21
     assert abs(grid_alpha - 0.65) < 1e-9
     assert abs(fast_alpha - 0.63) <= 0.05 / 2
@@ -223,7 +225,7 @@ def test_gis_soup_follows_its_rule_on_real_ingredients(cora_run: Path, cora_data
     states = load_ingredients(cora_run).states
     evaluator = Evaluator(load_recipe("cora-gcn"), cora_data)
     scores, order = _ranked(states, evaluator, metric)
-    soup = greedy_interpolation_soup(states, order, evaluator.validation, metric, grid=6)
+    soup = greedy_interpolation_soup(states, order, interpolation_of(evaluator.validation), metric, grid=6)
     assert soup.evaluations == sum(len(curve) for curve in soup.curves) == (len(states) - 1) * 6
     current = scores[order[0]].key(metric)
     for alpha, curve in zip(soup.alphas, soup.curves, strict=True):
@@ -240,6 +242,48 @@ def test_gis_soup_follows_its_rule_on_real_ingredients(cora_run: Path, cora_data
     assert soup.kept == [j for j, w in weights.items() if w > 0]
     mixed = average([states[j] for j in soup.kept], [weights[j] for j in soup.kept])
     assert all(torch.allclose(soup.state[k], mixed[k], atol=1e-6) for k in mixed)
+
+
+def test_soups_given_known_scores_make_the_same_soup_without_scoring_them_again(cora_run: Path, cora_data) -> None:
+    """An alpha search's ends are the soup so far (alpha = 1) and the ingredient (0), exactly, and greedy starts from
+    the best ingredient: with the ingredients' scores given, none of those is scored again and nothing else changes."""
+    states = load_ingredients(cora_run).states
+    evaluator = Evaluator(load_recipe("cora-gcn"), cora_data)
+    scores, order = _ranked(states, evaluator, "acc")
+    scored: list[StateDict] = []
+
+    def score(state: StateDict) -> Metrics:
+        scored.append(state)
+        return evaluator.validation(state)
+
+    again = greedy_interpolation_soup(states, order, interpolation_of(evaluator.validation), "acc", grid=6)
+    soup = greedy_interpolation_soup(states, order, interpolation_of(score), "acc", grid=6, scores=scores)
+    assert soup.alphas == again.alphas and soup.kept == again.kept and soup.curves == again.curves
+    assert all(torch.equal(soup.state[k], again.state[k]) for k in soup.state)
+    assert soup.evaluations == len(scored) == (len(states) - 1) * (6 - 2)
+    scored.clear()
+    greedy = greedy_soup(states, order, score, "acc", scores=scores)
+    assert greedy.kept == greedy_soup(states, order, evaluator.validation, "acc").kept
+    assert greedy.evaluations == len(scored) == len(states) - 1
+
+
+def test_an_alpha_search_on_sampled_targets_mixes_the_two_first_layers(cora_run: Path, cora_data,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where candidates are scored layer-wise on a validation sample, a mix's first layer is the mix of its ends'
+    (linear in the weights): its scores equal those of the interpolated weights, with one first-layer product an end."""
+    monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 300)
+    states = load_ingredients(cora_run).states
+    evaluator = Evaluator(load_recipe("cora-gcn"), cora_data, layerwise=True)
+    first_layers = []
+    original = evaluator.val_targets._first
+    monkeypatch.setattr(evaluator.val_targets, "_first", lambda conv: first_layers.append(conv) or original(conv))
+    mixes = evaluator.interpolation(states[0], states[1])
+    got = [mixes(alpha) for alpha in (0.0, 0.3, 0.75, 1.0)]
+    assert len(first_layers) == 2
+    for alpha, scored in zip((0.0, 0.3, 0.75, 1.0), got):
+        expected = evaluator.validation(interpolate(states[0], states[1], alpha))
+        assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
+    assert got[0].loss != got[1].loss != got[2].loss  # the mixes differ
 
 
 def _scalar_states(*values: float) -> list[StateDict]:
@@ -267,7 +311,7 @@ def test_gis_kept_lists_only_what_the_soup_contains() -> None:
     def score(state: StateDict) -> Metrics:  # the closer to w = 1, the better
         return Metrics(1.0 - abs(float(state["w"]) - 1.0), 0.0)
 
-    soup = greedy_interpolation_soup(states, [0, 1, 2], score, "acc", grid=3)
+    soup = greedy_interpolation_soup(states, [0, 1, 2], interpolation_of(score), "acc", grid=3)
     assert soup.alphas == [0.0, 1.0]  # take ingredient 1 whole; then every alpha ties, the larger wins
     assert soup.kept == [1] and torch.equal(soup.state["w"], states[1]["w"])
 
@@ -330,7 +374,7 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
 
     report = soup("--grid", "5", "--metric", "loss")
     row = report["soups"][0]
-    assert (row["metric"], row["grid"], row["search"], row["evaluations"]) == ("loss", 5, "grid", 3 * 5)
+    assert (row["metric"], row["grid"], row["search"], row["evaluations"]) == ("loss", 5, "grid", 3 * (5 - 2))  # the ends known
     assert row["kept"][0] == min(report["ingredients"], key=lambda r: r["val_loss"])["name"]  # best-first by loss
     for alpha, curve in zip(row["alphas"], row["curves"], strict=True):
         assert [point[0] for point in curve] == [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -339,7 +383,7 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
     report = soup("--search", "fast", "--metric", "acc")
     row = report["soups"][0]
     assert (row["metric"], row["grid"], row["search"]) == ("acc", 21, "fast")
-    assert row["evaluations"] == sum(len(curve) for curve in row["curves"]) < 3 * 21
+    assert row["evaluations"] == sum(len(curve) - 2 for curve in row["curves"]) < 3 * 21  # the ends known
     for alpha, curve in zip(row["alphas"], row["curves"], strict=True):
         alphas = [point[0] for point in curve]
         assert {0.0, 0.25, 0.5, 0.75, 1.0} <= set(alphas)  # the coarse grid, then halving to 1/32 < 1/20
@@ -367,7 +411,7 @@ def test_real_soups_keep_validation_and_beat_the_mean_ingredient(cora_run: Path,
     assert {ref["name"] for ref in report["references"]} == {"ensemble", "baseline"}
     for name in ("report.json", "report.md", "soup-gis.safetensors", "soup-gis.json", "accuracy.png", "alpha.png"):
         assert (cora_run / name).stat().st_size > 0, name
-    assert json.loads((cora_run / "soup-gis.json").read_text())["evaluations"] == 3 * 21
+    assert json.loads((cora_run / "soup-gis.json").read_text())["evaluations"] == 3 * (21 - 2)  # the ends known
 
 
 def test_fast_search_uses_fewer_evaluations_on_real_ingredients(cora_run: Path, data_root: Path) -> None:

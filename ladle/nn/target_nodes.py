@@ -101,18 +101,26 @@ class TargetInference:
         return self.graph.x[self.levels[0]].float()
 
     @torch.no_grad()
-    def logits(self, model: GNN) -> Tensor:
-        """``model``'s eval-mode logits of the targets, ``[len(targets), classes]`` (batch-norm statistics as held)."""
+    def logits(self, model: GNN, first: Tensor | None = None) -> Tensor:
+        """``model``'s eval-mode logits of the targets, ``[len(targets), classes]`` (batch-norm statistics as held).
+        ``first``: its first layer's output on the first level when the caller has it (:meth:`first_layer`;
+        overwritten), else computed."""
         model.eval()
         h = Tensor()
         for i, conv in enumerate(model.convs):
             if i == 0:
-                h = self._first(conv)
+                h = self._first(conv) if first is None else first
             else:
                 h = self._upper(conv, h, i)
             if i < len(model.convs) - 1:
                 h = model.norms[i](h).relu_()  # h is this call's own tensor (or buffer): in place
         return h.clone() if len(model.convs) == 1 else h  # never the buffer the next call overwrites
+
+    @torch.no_grad()
+    def first_layer(self, model: GNN) -> Tensor:
+        """``model``'s first layer on the first level, before its norm (a tensor of the caller's own). It is linear in
+        that layer's weights, so the first layer of a mix of weights is the same mix of these."""
+        return self._first(model.convs[0]).clone()
 
     def _first(self, conv: nn.Module) -> Tensor:
         """The first layer on the first level, into the buffer every call reuses (a fresh block of this size would

@@ -14,6 +14,7 @@ from torch_geometric.utils import k_hop_subgraph
 
 from ladle.core.recipe import Recipe
 from ladle.core.storage import StateDict
+from ladle.core.weights import interpolate
 from ladle.graph.inputs import GraphInputs, adjacency, graph_inputs, use_sparse_features
 from ladle.graph.sparse import SparseMatrix, select
 from ladle.nn.custom import CustomModel, ModelFactory
@@ -23,6 +24,7 @@ from ladle.nn.scoring import Metrics, metrics, recompute_batch_norm
 from ladle.nn.target_nodes import TargetInference, sample_targets, supports
 
 Scorer = Callable[[StateDict], "Metrics"]
+AlphaScorer = Callable[[float], "Metrics"]  # scores alpha * soup + (1 - alpha) * ingredient for two fixed ends
 
 
 @dataclass
@@ -175,6 +177,25 @@ class Evaluator:
             return self.split(state, "val_mask")
         inputs, y, where = self.val
         return metrics(self.logits(state, inputs)[where], y)
+
+    def interpolation(self, soup: StateDict, ingredient: StateDict) -> AlphaScorer:
+        """Scores ``alpha * soup + (1 - alpha) * ingredient`` for any alpha, as :meth:`validation` scores those weights.
+        On the sampled validation nodes the first layer's output is linear in its weights, so it is the same mix of
+        the two ends' outputs: two dense products for a whole alpha search instead of one an alpha (the largest
+        part of a scoring there)."""
+        if not self._samples():
+            return lambda alpha: self.validation(interpolate(soup, ingredient, alpha))
+        targets, y = self.val_targets, self.data.y[self.val_targets.targets]
+        ends = []
+        for state in (ingredient, soup):
+            self.model.load_state_dict(state)
+            ends.append(targets.first_layer(self.model))
+        mixed = torch.empty_like(ends[0])
+
+        def score(alpha: float) -> Metrics:
+            self.model.load_state_dict(interpolate(soup, ingredient, alpha))
+            return metrics(targets.logits(self.model, torch.lerp(ends[0], ends[1], alpha, out=mixed)), y)
+        return score
 
     def split(self, state: StateDict, mask_name: str) -> Metrics:
         """Accuracy and loss of ``state`` on a whole split of the full graph."""

@@ -17,7 +17,14 @@ from ladle.core.errors import LadleError
 from ladle.core.storage import StateDict
 from ladle.core.weights import average, interpolate
 from ladle.nn.scoring import Metrics
-from ladle.soup.evaluator import Evaluator, Scorer, SoupResult
+from ladle.soup.evaluator import AlphaScorer, Evaluator, Scorer, SoupResult
+
+Interpolation = Callable[[StateDict, StateDict], AlphaScorer]  # (soup, ingredient) -> the score of each alpha
+
+
+def interpolation_of(score: Scorer) -> Interpolation:
+    """Scores each mix by scoring its interpolated weights (:meth:`Evaluator.interpolation` does the same faster)."""
+    return lambda soup, ingredient: lambda alpha: score(interpolate(soup, ingredient, alpha))
 
 
 def uniform_soup(states: Sequence[StateDict]) -> StateDict:
@@ -25,13 +32,14 @@ def uniform_soup(states: Sequence[StateDict]) -> StateDict:
     return average(states)
 
 
-def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str) -> SoupResult:
+def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str,
+                scores: Sequence[Metrics] | None = None) -> SoupResult:
     """Wortsman et al.: walk ingredients in ``order`` (best-first); add one to the running mean only if the
     validation score (``metric``) does not drop (a tie is accepted: with ``acc``, the default, this is
-    the paper's rule). Starts from the first."""
+    the paper's rule). Starts from the first. ``scores``: each state's score by ``score``, when already known."""
     kept = [order[0]]
-    best = score(states[order[0]]).key(metric)
-    evaluations = 1
+    best = (score(states[order[0]]) if scores is None else scores[order[0]]).key(metric)
+    evaluations = int(scores is None)
     for i in order[1:]:
         candidate = score(average([states[j] for j in kept + [i]]))
         evaluations += 1
@@ -46,19 +54,20 @@ def alpha_grid(points: int) -> list[float]:
     return [i / (points - 1) for i in range(points)]
 
 
-def search_alpha(soup: StateDict, ingredient: StateDict, score: Scorer, metric: str, grid: int,
-                 fast: bool) -> tuple[float, list[tuple[float, Metrics]]]:
-    """Best alpha for ``alpha * soup + (1 - alpha) * ingredient``; ties go to the larger alpha.
+def search_alpha(score: AlphaScorer, metric: str, grid: int, fast: bool,
+                 known: dict[float, Metrics] | None = None) -> tuple[float, list[tuple[float, Metrics]]]:
+    """Best alpha for ``alpha * soup + (1 - alpha) * ingredient`` (``score``: of each alpha); ties go to the larger alpha.
 
     ``grid``: every point of an even grid. ``fast``: a 5-point coarse grid, then halving steps around
-    the best point until the step is finer than the grid's, 2 evaluations a step.
+    the best point until the step is finer than the grid's, 2 evaluations a step. ``known``: scores already
+    measured (alpha = 1: the soup, 0: the ingredient), taken as they are.
     """
-    tried: dict[float, Metrics] = {}
+    tried: dict[float, Metrics] = dict(known or {})
 
     def measure(alpha: float) -> None:
         alpha = round(min(1.0, max(0.0, alpha)), 6)
         if alpha not in tried:
-            tried[alpha] = score(interpolate(soup, ingredient, alpha))
+            tried[alpha] = score(alpha)
 
     def best() -> float:
         return max(tried, key=lambda a: (tried[a].key(metric), a))
@@ -78,20 +87,26 @@ def search_alpha(soup: StateDict, ingredient: StateDict, score: Scorer, metric: 
     return best(), sorted(tried.items())
 
 
-def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer, metric: str,
-                              grid: int = 21, fast: bool = False) -> SoupResult:
+def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int], interpolation: Interpolation,
+                              metric: str, grid: int = 21, fast: bool = False,
+                              scores: Sequence[Metrics] | None = None) -> SoupResult:
     """Graph Ladling's GIS: start from the first in ``order`` (the best); for each next one keep
     ``alpha * soup + (1 - alpha) * ingredient`` with the alpha of best validation score. alpha = 1
     (keep the soup) is always a candidate, so the validation score never drops. ``kept``: the
-    ingredients the soup contains (a step with alpha = 0 discards those before it)."""
+    ingredients the soup contains (a step with alpha = 0 discards those before it). ``scores``: each
+    state's validation score, when already known: a step then scores neither end again (alpha = 1 is the
+    soup so far, 0 the ingredient, exactly)."""
     soup = states[order[0]]
+    current = None if scores is None else scores[order[0]]
     evaluations, alphas, curves = 0, [], []
     weights = {order[0]: 1.0}  # each ingredient's share of the soup
     for i in order[1:]:
-        alpha, tried = search_alpha(soup, states[i], score, metric, grid, fast)
-        evaluations += len(tried)
+        known = {} if scores is None or current is None else {0.0: scores[i], 1.0: current}
+        alpha, tried = search_alpha(interpolation(soup, states[i]), metric, grid, fast, known)
+        evaluations += len(tried) - len(known)
         alphas.append(alpha)
         curves.append([(a, m.acc, m.loss) for a, m in tried])
+        current = dict(tried)[alpha]
         soup = interpolate(soup, states[i], alpha)
         weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
     kept = [j for j, w in weights.items() if w > 0]
@@ -103,30 +118,38 @@ def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int],
 
 @dataclass(frozen=True)
 class SoupInputs:
-    """What a soup method may use: the ingredients, best-first order, the validation scorer and settings,
-    and the trunk the ingredients branched from (``None`` without one)."""
+    """What a soup method may use: the ingredients, their validation scores and best-first order, the validation
+    scorer (of weights, and of the mixes of two weights: ``interpolation``) and settings, and the trunk the
+    ingredients branched from with its score (``None`` without one)."""
 
     states: Sequence[StateDict]
+    scores: Sequence[Metrics]
     order: Sequence[int]
     score: Scorer
+    interpolation: Interpolation
     metric: str
     grid: int
     fast: bool
     evaluator: Evaluator
     seed: int
     trunk: StateDict | None = None
+    trunk_score: Metrics | None = None
 
 
 TRUNK_INDEX = -1  # how a soup's ``kept`` names the trunk
 
 
-def _trunk_first(inputs: SoupInputs, soup: Callable[[Sequence[StateDict], Sequence[int]], SoupResult]) -> SoupResult:
+Sequential = Callable[[Sequence[StateDict], Sequence[int], Sequence[Metrics]], SoupResult]  # (states, order, scores)
+
+
+def _trunk_first(inputs: SoupInputs, soup: Sequential) -> SoupResult:
     """Run a sequential soup with the trunk, when there is one, as its first candidate (then the
     ingredients best-first), so a soup can only leave the trunk where validation says the branches help;
     the trunk appears in ``kept`` as :data:`TRUNK_INDEX`."""
-    if inputs.trunk is None:
-        return soup(inputs.states, inputs.order)
-    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)])
+    if inputs.trunk is None or inputs.trunk_score is None:
+        return soup(inputs.states, inputs.order, inputs.scores)
+    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)],
+                  [inputs.trunk_score, *inputs.scores])
     result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
     return result
 
@@ -193,11 +216,12 @@ def scaled_methods(methods: list[SoupMethod]) -> tuple[list[SoupMethod], list[st
 
 
 def alpha_searches(grid: int, fast: bool) -> int:
-    """Scorings of one alpha search: ``grid`` points, or the fast search's 5 points and 2 per halving of the step."""
+    """Scorings of one alpha search: ``grid`` points, or the fast search's 5 points and 2 per halving of the step,
+    less its two ends (already scored)."""
     halvings, step = 0, 0.25
     while step > 1.0 / (grid - 1):
         step, halvings = step / 2, halvings + 1
-    return 5 + 2 * halvings if fast else grid
+    return (5 + 2 * halvings if fast else grid) - 2
 
 
 @register("uniform", inference_only=True)
@@ -205,13 +229,14 @@ def _uniform(inputs: SoupInputs) -> SoupResult:
     return SoupResult(uniform_soup(inputs.states), 0, list(range(len(inputs.states))))
 
 
-@register("greedy", inference_only=True, scorings=lambda candidates, grid, fast: candidates)
+@register("greedy", inference_only=True, scorings=lambda candidates, grid, fast: candidates - 1)
 def _greedy(inputs: SoupInputs) -> SoupResult:
-    return _trunk_first(inputs, lambda states, order: greedy_soup(states, order, inputs.score, inputs.metric))
+    return _trunk_first(inputs, lambda states, order, scores: greedy_soup(states, order, inputs.score, inputs.metric,
+                                                                          scores))
 
 
 @register("gis", inference_only=True,
           scorings=lambda candidates, grid, fast: (candidates - 1) * alpha_searches(grid, fast))
 def _gis(inputs: SoupInputs) -> SoupResult:
-    return _trunk_first(inputs, lambda states, order: greedy_interpolation_soup(
-        states, order, inputs.score, inputs.metric, inputs.grid, inputs.fast))
+    return _trunk_first(inputs, lambda states, order, scores: greedy_interpolation_soup(
+        states, order, inputs.interpolation, inputs.metric, inputs.grid, inputs.fast, scores))

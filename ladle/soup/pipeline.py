@@ -46,7 +46,7 @@ from ladle.nn.saved import (
 from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances
-from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, SoupResult
+from ladle.soup.evaluator import LAYERWISE_NODES, AlphaScorer, Evaluator, SoupResult
 from ladle.soup.methods import (
     ALL_METHODS,
     SOUPS,
@@ -110,8 +110,17 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         bar.update(1)
         return evaluator.validation(state)
 
+    def interpolation(soup: StateDict, ingredient: StateDict) -> AlphaScorer:
+        mixes = evaluator.interpolation(soup, ingredient)
+
+        def score_mix(alpha: float) -> Metrics:
+            bar.update(1)
+            return mixes(alpha)
+        return score_mix
+
     start = time.perf_counter()
     ingredient_val = [score(s) for s in bundle.states]
+    trunk_val = None if trunk is None else score(trunk)
     rows, logit_sum = [], None  # one whole-graph pass per ingredient: its test accuracy, and the ensemble's sum
     for name, state, val in zip(bundle.names, bundle.states, ingredient_val):
         logits = evaluator.full_logits(state)
@@ -121,7 +130,9 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
     setup_seconds = time.perf_counter() - start
 
-    inputs = SoupInputs(bundle.states, order, score, metric, grid, fast, evaluator, recipe.seed, trunk)
+    inputs = SoupInputs(states=bundle.states, scores=ingredient_val, order=order, score=score,
+                        interpolation=interpolation, metric=metric, grid=grid, fast=fast, evaluator=evaluator,
+                        seed=recipe.seed, trunk=trunk, trunk_score=trunk_val)
     soups: list[SoupResult] = []
     for soup_method in methods:
         began = time.perf_counter()
@@ -195,10 +206,10 @@ def _validation(evaluator: Evaluator, rows: list[dict[str, Any]]) -> dict[str, A
 
 
 def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fast: bool, trunk: bool = False) -> int:
-    """Validation scorings of the K ingredients, then of each method's candidates (at most, for the fast
-    alpha search) over the K ingredients and the trunk first when the run has one."""
+    """Validation scorings of the K ingredients and the trunk when the run has one, then of each method's candidates
+    (at most, for the fast alpha search) over them, the trunk first."""
     candidates = ingredients + int(trunk)
-    return ingredients + sum(m.scorings(candidates, grid, fast) for m in methods)
+    return candidates + sum(m.scorings(candidates, grid, fast) for m in methods)
 
 
 def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str],
