@@ -105,11 +105,17 @@ class LayerwiseInference:
         if not cached:
             inputs = [self.x] if isinstance(first, GATConv) else self._inputs(first, self._feature_rows(), sparse)
         for i, conv in enumerate(model.convs):
-            rows = self._first_rows(first) if i == 0 and cached else self._output_rows(conv, inputs)
+            last = i == len(model.convs) - 1
+            into = _logits_buffer(conv, self.num_nodes) if last and not (i == 0 and cached) else None
+            rows = self._first_rows(first) if i == 0 and cached else self._output_rows(conv, inputs, into)
             bar.update(1)
-            if i == len(model.convs) - 1:
+            if last:
                 bar.close()
-                return _gather(rows, self.num_nodes)
+                if into is None:
+                    return _gather(rows, self.num_nodes)
+                for _ in rows:  # each batch is written into its rows of the logits
+                    pass
+                return into
             norm = model.norms[i]
             if bn_nodes is not None and isinstance(norm, nn.BatchNorm1d):
                 whole = _gather(rows, self.num_nodes)
@@ -182,21 +188,19 @@ class LayerwiseInference:
     def _inputs(self, conv: nn.Module, rows: Rows, sparse: bool) -> list[Tensor]:
         """What layer ``conv`` reads of every node, filled from ``rows`` (its input, a chunk at a time): GCN its
         projection scaled by ``D^-1/2``, SAGE its two projections (neighbours', root's), GAT the input itself."""
+        if isinstance(conv, GATConv):
+            return [_gather(rows, self.num_nodes)]
         if isinstance(conv, GCNLayer):
             weights, scale = [conv.lin.weight], self.gcn_scale
-        elif isinstance(conv, SAGELayer):
-            weights, scale = [conv.lin_l.weight, conv.lin_r.weight], None
         else:
-            weights, scale = [], None
-        buffers: list[Tensor] = []
-        for start, end, h in rows:
-            outs = [_matmul_rows(h, weight.t(), sparse) for weight in weights] if weights else [h]
+            assert isinstance(conv, SAGELayer)
+            weights, scale = [conv.lin_l.weight, conv.lin_r.weight], None
+        buffers = [torch.empty(self.num_nodes, weight.size(0)) for weight in weights]
+        for start, end, h in rows:  # each product written in place: no block allocated (and zeroed) a chunk
+            for buffer, weight in zip(buffers, weights):
+                _matmul_rows(h, weight.t(), sparse, out=buffer[start:end])
             if scale is not None:
-                outs[0].mul_(scale[start:end])
-            if not buffers:
-                buffers = [torch.empty(self.num_nodes, out.size(1)) for out in outs]
-            for buffer, out in zip(buffers, outs):
-                buffer[start:end] = out
+                buffers[0][start:end].mul_(scale[start:end])
         return buffers
 
     def _rows(self, start: int, end: int, scaled: bool = False) -> Tensor:
@@ -213,19 +217,22 @@ class LayerwiseInference:
         values = self.gcn_scale.view(-1)[columns] if scaled else torch.ones(columns.numel())
         return csr(row_pointers(self.rowptr, nodes), columns, values, (nodes.numel(), self.num_nodes))
 
-    def _output_rows(self, conv: nn.Module, inputs: list[Tensor]) -> Rows:
-        """Layer ``conv``'s output, a batch of rows (:attr:`ranges`) at a time, from its :meth:`_inputs`."""
+    def _output_rows(self, conv: nn.Module, inputs: list[Tensor], into: Tensor | None = None) -> Rows:
+        """Layer ``conv``'s output, a batch of rows (:attr:`ranges`) at a time, from its :meth:`_inputs`; GCN and SAGE
+        write each batch into its rows of ``into`` when given."""
         if isinstance(conv, GCNLayer):  # Â = D^-1/2 (A + I) D^-1/2, degrees counted in A + I
             (projected,) = inputs
             for start, end in self.ranges:  # (A + I) rows of the batch, then the target's own scale
-                out = torch.addmm(projected[start:end], self._rows(start, end), projected)
+                out = torch.addmm(projected[start:end], self._rows(start, end), projected,
+                                  out=None if into is None else into[start:end])
                 self._read(start, end)
                 out.mul_(self.gcn_scale[start:end])
                 yield start, end, out.add_(conv.bias) if conv.bias is not None else out
         elif isinstance(conv, SAGELayer):  # mean over in-neighbours, plus the root's own projection
             neighbours, roots = inputs
             for start, end in self.ranges:
-                out = torch.mm(self._rows(start, end), neighbours).mul_(self.mean_scale[start:end])
+                out = torch.mm(self._rows(start, end), neighbours, out=None if into is None else into[start:end])
+                out.mul_(self.mean_scale[start:end])
                 self._read(start, end)
                 yield start, end, out.add_(conv.lin_l.bias).add_(roots[start:end])
         else:
@@ -248,6 +255,13 @@ class LayerwiseInference:
             self._read(start, end)
             local[needed] = -1
             yield start, end, batch
+
+
+def _logits_buffer(conv: nn.Module, num_nodes: int) -> Tensor | None:
+    """The ``[num_nodes, width]`` tensor a last GCN or SAGE layer writes its batches into (GAT: none)."""
+    if isinstance(conv, GCNLayer):
+        return torch.empty(num_nodes, conv.lin.weight.size(0))
+    return torch.empty(num_nodes, conv.lin_l.weight.size(0)) if isinstance(conv, SAGELayer) else None
 
 
 def _gather(rows: Rows, num_nodes: int) -> Tensor:
@@ -282,10 +296,10 @@ def csr(crow: Tensor, columns: Tensor, values: Tensor, size: tuple[int, int]) ->
         return torch.sparse_csr_tensor(crow, columns, values, size, check_invariants=False)
 
 
-def _matmul_rows(rows: Tensor, matrix: Tensor, sparse: bool) -> Tensor:
-    """``rows @ matrix``, through a CSR copy of ``rows`` when they are mostly zeros."""
+def _matmul_rows(rows: Tensor, matrix: Tensor, sparse: bool, out: Tensor) -> Tensor:
+    """``rows @ matrix`` into ``out``, through a CSR copy of ``rows`` when they are mostly zeros."""
     if not sparse:
-        return rows @ matrix
+        return torch.mm(rows, matrix, out=out)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
-        return rows.to_sparse_csr() @ matrix
+        return torch.mm(rows.to_sparse_csr(), matrix, out=out)
