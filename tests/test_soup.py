@@ -374,7 +374,8 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
 
     report = soup("--grid", "5", "--metric", "loss")
     row = report["soups"][0]
-    assert (row["metric"], row["grid"], row["search"], row["evaluations"]) == ("loss", 5, "grid", 3 * (5 - 2))  # the ends known
+    # each step scores the grid but its two ends (known)
+    assert (row["metric"], row["grid"], row["search"], row["evaluations"]) == ("loss", 5, "grid", 3 * (5 - 2))
     assert row["kept"][0] == min(report["ingredients"], key=lambda r: r["val_loss"])["name"]  # best-first by loss
     for alpha, curve in zip(row["alphas"], row["curves"], strict=True):
         assert [point[0] for point in curve] == [0.0, 0.25, 0.5, 0.75, 1.0]

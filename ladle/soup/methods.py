@@ -56,7 +56,8 @@ def alpha_grid(points: int) -> list[float]:
 
 def search_alpha(score: AlphaScorer, metric: str, grid: int, fast: bool,
                  known: dict[float, Metrics] | None = None) -> tuple[float, list[tuple[float, Metrics]]]:
-    """Best alpha for ``alpha * soup + (1 - alpha) * ingredient`` (``score``: of each alpha); ties go to the larger alpha.
+    """Best alpha for ``alpha * soup + (1 - alpha) * ingredient`` (``score``: of each alpha); ties go to the
+    larger alpha.
 
     ``grid``: every point of an even grid. ``fast``: a 5-point coarse grid, then halving steps around
     the best point until the step is finer than the grid's, 2 evaluations a step. ``known``: scores already
