@@ -147,10 +147,10 @@ def _trunk_first(inputs: SoupInputs, soup: Sequential) -> SoupResult:
     """Run a sequential soup with the trunk, when there is one, as its first candidate (then the
     ingredients best-first), so a soup can only leave the trunk where validation says the branches help;
     the trunk appears in ``kept`` as :data:`TRUNK_INDEX`."""
-    if inputs.trunk is None or inputs.trunk_score is None:
+    if inputs.trunk is None:
         return soup(inputs.states, inputs.order, inputs.scores)
-    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)],
-                  [inputs.trunk_score, *inputs.scores])
+    trunk_score = inputs.score(inputs.trunk) if inputs.trunk_score is None else inputs.trunk_score
+    result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)], [trunk_score, *inputs.scores])
     result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
     return result
 
