@@ -23,11 +23,10 @@ from ladle.nn.scoring import Metrics, metrics
 from ladle.soup import evaluator as evaluation
 from ladle.soup import learned
 from ladle.soup.cli import main as soup_main
-from ladle.soup.evaluator import Evaluator
+from ladle.soup.evaluator import Evaluator, interpolation_of
 from ladle.soup.methods import (
     greedy_interpolation_soup,
     greedy_soup,
-    interpolation_of,
     search_alpha,
     uniform_soup,
 )

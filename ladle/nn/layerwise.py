@@ -105,9 +105,9 @@ class LayerwiseInference:
         if not cached:
             inputs = [self.x] if isinstance(first, GATConv) else self._inputs(first, self._feature_rows(), sparse)
         for i, conv in enumerate(model.convs):
-            last = i == len(model.convs) - 1
-            into = _logits_buffer(conv, self.num_nodes) if last and not (i == 0 and cached) else None
-            rows = self._first_rows(first) if i == 0 and cached else self._output_rows(conv, inputs, into)
+            last, from_cache = i == len(model.convs) - 1, i == 0 and cached
+            into = _logits_buffer(conv, self.num_nodes) if last and not from_cache else None
+            rows = self._first_rows(first) if from_cache else self._output_rows(conv, inputs, into)
             bar.update(1)
             if last:
                 bar.close()

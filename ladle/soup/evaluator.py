@@ -25,6 +25,12 @@ from ladle.nn.target_nodes import TargetInference, sample_targets, supports
 
 Scorer = Callable[[StateDict], "Metrics"]
 AlphaScorer = Callable[[float], "Metrics"]  # scores alpha * soup + (1 - alpha) * ingredient for two fixed ends
+Interpolation = Callable[[StateDict, StateDict], AlphaScorer]  # (soup, ingredient) -> the score of each alpha
+
+
+def interpolation_of(score: Scorer) -> Interpolation:
+    """Scores each mix by scoring its interpolated weights (:meth:`Evaluator.interpolation` does the same faster)."""
+    return lambda soup, ingredient: lambda alpha: score(interpolate(soup, ingredient, alpha))
 
 
 @dataclass
@@ -184,7 +190,7 @@ class Evaluator:
         the two ends' outputs: two dense products for a whole alpha search instead of one an alpha (the largest
         part of a scoring there)."""
         if not self._samples():
-            return lambda alpha: self.validation(interpolate(soup, ingredient, alpha))
+            return interpolation_of(self.validation)(soup, ingredient)
         targets, y = self.val_targets, self.data.y[self.val_targets.targets]
         ends = []
         for state in (ingredient, soup):

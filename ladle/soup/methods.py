@@ -17,14 +17,13 @@ from ladle.core.errors import LadleError
 from ladle.core.storage import StateDict
 from ladle.core.weights import average, interpolate
 from ladle.nn.scoring import Metrics
-from ladle.soup.evaluator import AlphaScorer, Evaluator, Scorer, SoupResult
-
-Interpolation = Callable[[StateDict, StateDict], AlphaScorer]  # (soup, ingredient) -> the score of each alpha
-
-
-def interpolation_of(score: Scorer) -> Interpolation:
-    """Scores each mix by scoring its interpolated weights (:meth:`Evaluator.interpolation` does the same faster)."""
-    return lambda soup, ingredient: lambda alpha: score(interpolate(soup, ingredient, alpha))
+from ladle.soup.evaluator import (
+    AlphaScorer,
+    Evaluator,
+    Interpolation,
+    Scorer,
+    SoupResult,
+)
 
 
 def uniform_soup(states: Sequence[StateDict]) -> StateDict:
