@@ -86,6 +86,22 @@ def test_layerwise_evaluator_scores_candidates_on_the_validation_sample(cora_dat
     assert Evaluator(recipe, cora_data).validation_nodes() == (500, 500)  # small graphs: every node, exactly
 
 
+def test_a_whole_graph_pass_gives_the_validation_score_of_its_weights(cora_data, monkeypatch) -> None:
+    """An ingredient's whole-graph pass (its test figure) also gives its validation score, with no scoring of its own:
+    the sample's rows where candidates are scored on a sample, the whole split layer-wise; a small graph's validation
+    neighbourhood is scored apart."""
+    monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 200)
+    for model, nodes in (("gcn", 200), ("gat", int(cora_data.val_mask.sum()))):  # GAT: the whole split
+        recipe = load_recipe(None, [*TRUNKLESS, f"model={model}"])
+        state = _random_model(recipe, cora_data, seed=4).state_dict()
+        evaluator = Evaluator(recipe, cora_data, layerwise=True)
+        assert evaluator.validation_nodes()[0] == nodes
+        logits = evaluator.full_logits(state)
+        read, scored = evaluator.validation_from(logits), evaluator.validation(state)
+        assert read is not None and read.acc == scored.acc and abs(read.loss - scored.loss) <= 1e-5
+        assert Evaluator(recipe, cora_data).validation_from(logits) is None
+
+
 @pytest.mark.parametrize("model", ["gcn", "sage"])
 def test_whole_graph_passes_reuse_the_first_aggregation_exactly(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from ladle.graph.inputs import graph_inputs

@@ -184,6 +184,18 @@ class Evaluator:
         inputs, y, where = self.val
         return metrics(self.logits(state, inputs)[where], y)
 
+    def validation_from(self, logits: Tensor) -> Metrics | None:
+        """The figure :meth:`validation` gives for the weights whose :meth:`full_logits` these are, read from them where
+        it scores the same nodes' whole-graph logits (layer-wise: the sampled nodes' rows, or the whole split); else
+        ``None`` (a small graph's validation neighbourhood is scored apart)."""
+        if self._samples():
+            targets = self.val_targets.targets
+            return metrics(logits[targets], self.data.y[targets])
+        if self.layerwise:
+            mask = self.data.val_mask
+            return metrics(logits[mask], self.data.y[mask])
+        return None
+
     def interpolation(self, soup: StateDict, ingredient: StateDict) -> AlphaScorer:
         """Scores ``alpha * soup + (1 - alpha) * ingredient`` for any alpha, as :meth:`validation` scores those weights.
         On the sampled validation nodes the first layer's output is linear in its weights, so it is the same mix of

@@ -119,12 +119,18 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         return score_mix
 
     start = time.perf_counter()
-    ingredient_val = [score(s) for s in bundle.states]
     trunk_val = None if trunk is None else score(trunk)
-    rows, logit_sum = [], None  # one whole-graph pass per ingredient: its test accuracy, and the ensemble's sum
-    for name, state, val in zip(bundle.names, bundle.states, ingredient_val):
+    # one whole-graph pass per ingredient: its test accuracy, the ensemble's sum and, at scale, its validation score
+    rows, logit_sum, ingredient_val = [], None, []
+    for name, state in zip(bundle.names, bundle.states):
         logits = evaluator.full_logits(state)
         logit_sum = logits.clone() if logit_sum is None else logit_sum.add_(logits)
+        val = evaluator.validation_from(logits)
+        if val is None:
+            val = score(state)
+        else:
+            bar.update(1)
+        ingredient_val.append(val)
         rows.append({"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
                      "test_acc": evaluator.split_metrics(logits)["test_acc"]})
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
