@@ -74,8 +74,8 @@ def test_fast_alpha_search_matches_grid_with_fewer_evaluations() -> None:
     soup, ingredient = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
     score = _toy_scorer(torch.full((3,), 0.37))
     mixes = interpolation_of(score)(soup, ingredient)
-    grid_alpha, grid_tried = search_alpha(mixes, "loss", 21, fast=False)
-    fast_alpha, fast_tried = search_alpha(mixes, "loss", 21, fast=True)
+    grid_alpha, grid_tried = search_alpha(mixes.score, "loss", 21, fast=False)
+    fast_alpha, fast_tried = search_alpha(mixes.score, "loss", 21, fast=True)
     assert len(fast_tried) < len(grid_tried) == 21
     assert abs(grid_alpha - 0.65) < 1e-9
     assert abs(fast_alpha - 0.63) <= 0.05 / 2
@@ -269,7 +269,8 @@ def test_soups_given_known_scores_make_the_same_soup_without_scoring_them_again(
 def test_an_alpha_search_on_sampled_targets_mixes_the_two_first_layers(cora_run: Path, cora_data,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where candidates are scored layer-wise on a validation sample, a mix's first layer is the mix of its ends'
-    (linear in the weights): its scores equal those of the interpolated weights, with one first-layer product an end."""
+    (linear in the weights): its scores equal those of the interpolated weights, with one first-layer product an end;
+    the mix a search keeps is the next search's soup, whose first layer it carries: that search computes one."""
     monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 300)
     states = load_ingredients(cora_run).states
     evaluator = Evaluator(load_recipe("cora-gcn"), cora_data, layerwise=True)
@@ -277,12 +278,20 @@ def test_an_alpha_search_on_sampled_targets_mixes_the_two_first_layers(cora_run:
     original = evaluator.val_targets._first
     monkeypatch.setattr(evaluator.val_targets, "_first", lambda conv: first_layers.append(conv) or original(conv))
     mixes = evaluator.interpolation(states[0], states[1])
-    got = [mixes(alpha) for alpha in (0.0, 0.3, 0.75, 1.0)]
+    got = [mixes.score(alpha) for alpha in (0.0, 0.3, 0.75, 1.0)]
     assert len(first_layers) == 2
     for alpha, scored in zip((0.0, 0.3, 0.75, 1.0), got):
         expected = evaluator.validation(interpolate(states[0], states[1], alpha))
         assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
     assert got[0].loss != got[1].loss != got[2].loss  # the mixes differ
+    kept = mixes.weights(0.3)
+    assert all(torch.equal(kept[k], interpolate(states[0], states[1], 0.3)[k]) for k in kept)
+    first_layers.clear()
+    following = evaluator.interpolation(kept, states[2])
+    scored = following.score(0.6)
+    assert len(first_layers) == 1  # the ingredient's: the soup's came with it
+    expected = evaluator.validation(interpolate(kept, states[2], 0.6))
+    assert scored.acc == expected.acc and abs(scored.loss - expected.loss) <= 1e-5
 
 
 def _scalar_states(*values: float) -> list[StateDict]:

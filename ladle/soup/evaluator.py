@@ -25,12 +25,24 @@ from ladle.nn.target_nodes import TargetInference, sample_targets, supports
 
 Scorer = Callable[[StateDict], "Metrics"]
 AlphaScorer = Callable[[float], "Metrics"]  # scores alpha * soup + (1 - alpha) * ingredient for two fixed ends
-Interpolation = Callable[[StateDict, StateDict], AlphaScorer]  # (soup, ingredient) -> the score of each alpha
+
+
+@dataclass(frozen=True)
+class Mixes:
+    """The mixes ``alpha * soup + (1 - alpha) * ingredient`` of two fixed ends: the score of each alpha, and the
+    weights of the one an alpha search keeps."""
+
+    score: AlphaScorer
+    weights: Callable[[float], StateDict]
+
+
+Interpolation = Callable[[StateDict, StateDict], Mixes]  # (soup, ingredient) -> their mixes
 
 
 def interpolation_of(score: Scorer) -> Interpolation:
     """Scores each mix by scoring its interpolated weights (:meth:`Evaluator.interpolation` does the same faster)."""
-    return lambda soup, ingredient: lambda alpha: score(interpolate(soup, ingredient, alpha))
+    return lambda soup, ingredient: Mixes(lambda alpha: score(interpolate(soup, ingredient, alpha)),
+                                          lambda alpha: interpolate(soup, ingredient, alpha))
 
 
 @dataclass
@@ -86,6 +98,7 @@ class Evaluator:
         self.hops = self.model.hops() if isinstance(self.model, GNN) else None  # your own model's: unknown
         self._inference = inference
         self.train_nodes = data.train_mask.nonzero().view(-1)
+        self._kept_mix: tuple[StateDict, Tensor] | None = None  # the weights an alpha search kept, their first layer
 
     @cached_property
     def inference(self) -> LayerwiseInference:
@@ -147,6 +160,7 @@ class Evaluator:
     @torch.no_grad()
     def full_logits(self, state: StateDict) -> Tensor:
         """Logits of every node, layer by layer over batches of adjacency rows (bounded memory at scale)."""
+        self._kept_mix = None  # a pass needs the memory more than a next alpha search its soup's first layer
         if self.layerwise:
             self.model.load_state_dict(state)
             bn_nodes = self.train_nodes if self._recomputes() else None
@@ -196,24 +210,34 @@ class Evaluator:
             return metrics(logits[mask], self.data.y[mask])
         return None
 
-    def interpolation(self, soup: StateDict, ingredient: StateDict) -> AlphaScorer:
+    def interpolation(self, soup: StateDict, ingredient: StateDict) -> Mixes:
         """Scores ``alpha * soup + (1 - alpha) * ingredient`` for any alpha, as :meth:`validation` scores those weights.
         On the sampled validation nodes the first layer's output is linear in its weights, so it is the same mix of
         the two ends' outputs: two dense products for a whole alpha search instead of one an alpha (the largest
-        part of a scoring there)."""
+        part of a scoring there); and the mix a search keeps carries its first layer to the next search, whose soup it
+        is, so each later search computes only its ingredient's."""
         if not self._samples():
             return interpolation_of(self.validation)(soup, ingredient)
         targets, y = self.val_targets, self.data.y[self.val_targets.targets]
         ends = []
         for state in (ingredient, soup):
+            if self._kept_mix is not None and state is self._kept_mix[0]:
+                ends.append(self._kept_mix[1])
+                continue
             self.model.load_state_dict(state)
             ends.append(targets.first_layer(self.model))
+        self._kept_mix = None
         mixed = torch.empty_like(ends[0])
 
         def score(alpha: float) -> Metrics:
             self.model.load_state_dict(interpolate(soup, ingredient, alpha))
             return metrics(targets.logits(self.model, torch.lerp(ends[0], ends[1], alpha, out=mixed)), y)
-        return score
+
+        def weights(alpha: float) -> StateDict:
+            state = interpolate(soup, ingredient, alpha)
+            self._kept_mix = (state, torch.lerp(ends[0], ends[1], alpha))
+            return state
+        return Mixes(score, weights)
 
     def split(self, state: StateDict, mask_name: str) -> Metrics:
         """Accuracy and loss of ``state`` on a whole split of the full graph."""

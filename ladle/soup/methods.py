@@ -15,7 +15,7 @@ from typing import Any
 
 from ladle.core.errors import LadleError
 from ladle.core.storage import StateDict
-from ladle.core.weights import average, interpolate
+from ladle.core.weights import average
 from ladle.nn.scoring import Metrics
 from ladle.soup.evaluator import (
     AlphaScorer,
@@ -95,19 +95,21 @@ def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int],
     (keep the soup) is always a candidate, so the validation score never drops. ``kept``: the
     ingredients the soup contains (a step with alpha = 0 discards those before it). ``scores``: each
     state's validation score, when already known: a step then scores neither end again (alpha = 1 is the
-    soup so far, 0 the ingredient, exactly)."""
+    soup so far, 0 the ingredient, exactly). The next soup is the kept mix's weights, from ``interpolation``'s
+    mixes (which may carry what they know of them to the next step)."""
     soup = states[order[0]]
     current = None if scores is None else scores[order[0]]
     evaluations, alphas, curves = 0, [], []
     weights = {order[0]: 1.0}  # each ingredient's share of the soup
     for i in order[1:]:
         known = {} if scores is None or current is None else {0.0: scores[i], 1.0: current}
-        alpha, tried = search_alpha(interpolation(soup, states[i]), metric, grid, fast, known)
+        mixes = interpolation(soup, states[i])
+        alpha, tried = search_alpha(mixes.score, metric, grid, fast, known)
         evaluations += len(tried) - len(known)
         alphas.append(alpha)
         curves.append([(a, m.acc, m.loss) for a, m in tried])
         current = dict(tried)[alpha]
-        soup = interpolate(soup, states[i], alpha)
+        soup = mixes.weights(alpha)
         weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
     kept = [j for j, w in weights.items() if w > 0]
     return SoupResult(soup, evaluations, kept, alphas, curves)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from ladle.nn.saved import (
 from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances
-from ladle.soup.evaluator import LAYERWISE_NODES, AlphaScorer, Evaluator, SoupResult
+from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, Mixes, SoupResult
 from ladle.soup.methods import (
     ALL_METHODS,
     SOUPS,
@@ -110,13 +111,13 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         bar.update(1)
         return evaluator.validation(state)
 
-    def interpolation(soup: StateDict, ingredient: StateDict) -> AlphaScorer:
+    def interpolation(soup: StateDict, ingredient: StateDict) -> Mixes:
         mixes = evaluator.interpolation(soup, ingredient)
 
         def score_mix(alpha: float) -> Metrics:
             bar.update(1)
-            return mixes(alpha)
-        return score_mix
+            return mixes.score(alpha)
+        return replace(mixes, score=score_mix)
 
     start = time.perf_counter()
     trunk_val = None if trunk is None else score(trunk)
