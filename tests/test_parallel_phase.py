@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ladle.core.recipe import Recipe, load_recipe
+from ladle.core.rundir import RunDir
 from ladle.core.storage import load_state
-from ladle.soup.pipeline import parallel_phase, soup_run
+from ladle.soup.pipeline import baseline_in_trunk_epochs, parallel_phase, soup_run
 from ladle.soup.report import format_table, trunk_line
 from ladle.train.launch import train_ingredients
 
@@ -65,6 +66,9 @@ def test_the_report_opens_with_what_the_branches_added(continued_run: Path) -> N
     first = format_table(report).splitlines()[0]
     assert first.startswith(f"the branches added {phase['gain_points']['trunk']:+.1f} points over the trunk, "
                             f"{phase['gain_points']['trunk-continued']:+.1f} over the trunk continued")
+    mean_branch = 100 * (gis["test_acc"] - report["mean_ingredient"]["test_acc"])
+    assert phase["gain_points"]["mean ingredient"] == pytest.approx(mean_branch)
+    assert f", {mean_branch:+.1f} over the mean branch, " in first
     assert (continued_run / "report.md").read_text().splitlines()[2].startswith("The branches added")
 
 
@@ -86,9 +90,12 @@ def test_a_soup_fitted_on_validation_nodes_is_left_out_of_the_best_soup_choice()
     soups = [{"name": "soup-gis", "method": "gis", "val_acc": 0.80, "val_loss": 0.7, "test_acc": 0.81},
              {"name": "soup-learned", "method": "learned", "val_acc": 0.90, "val_loss": 0.5, "test_acc": 0.79}]
     references = [{"name": "trunk", "test_acc": 0.80}, {"name": "trunk-continued", "test_acc": 0.82}]
-    phase = parallel_phase(soups, references)
+    branches = [{"val_acc": 0.70, "val_loss": 0.9, "test_acc": 0.76}, {"val_acc": 0.75, "val_loss": 0.8, "test_acc": 0.74}]
+    phase = parallel_phase(soups, references, branches)
     assert phase is not None and phase["best_soup"] == "soup-gis" and phase["left_out"] == ["soup-learned"]
-    assert phase["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0})
+    assert phase["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0, "mean ingredient": 6.0,
+                                                  "best ingredient": 7.0})
+    assert parallel_phase(soups, references)["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0})
     assert parallel_phase(soups[1:], references) is None  # nothing fair to choose from
 
 
@@ -97,11 +104,28 @@ def test_the_embedded_default_is_the_default_recipe_file() -> None:
     assert Recipe().trunk.epochs > 0
 
 
-def test_a_trunk_far_below_the_baseline_is_reported() -> None:
-    report = {"references": [{"name": "trunk", "val_acc": 0.573}, {"name": "baseline", "val_acc": 0.890}],
-              "trunk": {"view": {"kind": "cluster"}}}
-    assert trunk_line(report) == ("warning: the trunk validates 31.7 points below the full-graph baseline (cluster "
-                                  "failed on this graph); where one worker holds the whole graph, trunk.view=full "
-                                  "avoids it")
+def test_a_trunk_far_below_the_baseline_in_its_epochs_is_reported() -> None:
+    report = {"references": [{"name": "trunk", "val_acc": 0.573}, {"name": "baseline", "val_acc": 0.950}],
+              "trunk": {"view": {"kind": "cluster"}, "epochs_run": 100}, "baseline_in_trunk_epochs": 0.890}
+    assert trunk_line(report) == ("warning: the trunk validates 31.7 points below the full-graph baseline in the same "
+                                  "100 epochs (cluster failed on this graph); where one worker holds the whole graph, "
+                                  "trunk.view=full avoids it")
     report["references"][0]["val_acc"] = 0.875
     assert trunk_line(report) == ""
+    report["baseline_in_trunk_epochs"] = None  # no curve to hold the trunk to: no warning
+    report["references"][0]["val_acc"] = 0.573
+    assert trunk_line(report) == ""
+
+
+def test_the_baseline_is_read_in_the_trunks_epochs(tmp_path: Path) -> None:
+    """A 10-epoch trunk kept last is held to the baseline's 10th epoch; one kept best to the best of its first 10."""
+    files = RunDir(tmp_path)
+    rows = [f"run,baseline,baseline,,{epoch},0.5,{0.5 + 0.01 * epoch:.2f},1.0,0.01,1.0" for epoch in range(30)]
+    rows.insert(5, "run,trunk,trunk,,4,0.5,0.99,1.0,0.01,1.0")  # another model's row is not the baseline's
+    files.metrics.write_text("run,name,role,k,epoch,train_loss,val_acc,val_loss,lr,seconds\n" + "\n".join(rows) + "\n")
+    assert baseline_in_trunk_epochs(files, {"epochs_run": 10, "keep": "last"}) == pytest.approx(0.59)
+    files.metrics.write_text(files.metrics.read_text().replace(",9,0.5,0.59,", ",9,0.5,0.40,"))
+    assert baseline_in_trunk_epochs(files, {"epochs_run": 10, "keep": "best"}) == pytest.approx(0.58)
+    assert baseline_in_trunk_epochs(files, None) is None
+    files.metrics.write_text("not,a\ncurve")
+    assert baseline_in_trunk_epochs(files, {"epochs_run": 10, "keep": "last"}) is None

@@ -6,6 +6,7 @@ never used.
 """
 from __future__ import annotations
 
+import csv
 import logging
 import time
 from dataclasses import replace
@@ -158,7 +159,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "forward": evaluator.forward,
         "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
-        "references": references, "parallel_phase": parallel_phase(soup_rows, references),
+        "references": references, "parallel_phase": parallel_phase(soup_rows, references, rows),
         "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
         "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                             "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
@@ -169,6 +170,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "ingredient_core_seconds": sum(m.get("train_seconds", 0.0) * m.get("threads", 1) for m in bundle.metas),
         "scaled": scaled,
         "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
+        "baseline_in_trunk_epochs": baseline_in_trunk_epochs(files, run.get("trunk")),
         "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
                   for m in bundle.metas],
     }
@@ -180,6 +182,24 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                            | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
             write_report(files.path, report)
     return report
+
+
+def baseline_in_trunk_epochs(files: RunDir, trunk: dict[str, Any] | None) -> float | None:
+    """The full-graph baseline's validation accuracy in as many epochs as the trunk trained (its best over them for
+    a best-kept trunk, else at the trunk's last epoch), from the run's training curves: what the trunk's view is
+    held to. None without a trunk, a baseline or readable curves."""
+    if not trunk or not files.metrics.is_file():
+        return None
+    try:
+        with open(files.metrics, newline="") as stream:
+            curve = {int(row["epoch"]): float(row["val_acc"]) for row in csv.DictReader(stream)
+                     if row.get("name") == BASELINE and row.get("val_acc")}
+    except (OSError, csv.Error, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
+    within = [acc for epoch, acc in sorted(curve.items()) if epoch < trunk["epochs_run"]]
+    if not within:
+        return None
+    return max(within) if trunk.get("keep") == "best" else within[-1]
 
 
 def _graph(files: RunDir, recipe: Recipe, data_root: str | Path | None, methods: list[SoupMethod],
@@ -276,10 +296,12 @@ def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evalua
     return references
 
 
-def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]]) -> dict[str, Any] | None:
+def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]],
+                   ingredients: list[dict[str, Any]] = ()) -> dict[str, Any] | None:
     """What the K branches added: the best soup by validation accuracy (then loss) against the trunk, the
-    trunk continued and the baseline, in test points. Soups fitted on validation nodes (the learned ones)
-    are left out of the choice: their validation figure is not a fair one."""
+    trunk continued, the baseline, the mean ingredient (what one worker gives, in expectation) and the
+    best-validation one (which a user could simply keep), in test points. Soups fitted on validation nodes (the
+    learned ones) are left out of the choice: their validation figure is not a fair one."""
     fitted = sorted(row["name"] for row in soup_rows if SOUPS[row["method"]].fitted)
     candidates = [row for row in soup_rows if row["name"] not in fitted]
     if not candidates:
@@ -288,5 +310,9 @@ def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, A
     found = {ref["name"]: ref for ref in references}
     gains = {name: 100 * (best["test_acc"] - found[name]["test_acc"])
              for name in (TRUNK, CONTINUED, BASELINE) if name in found}
+    if ingredients:
+        gains["mean ingredient"] = 100 * (best["test_acc"] - sum(r["test_acc"] for r in ingredients) / len(ingredients))
+        gains["best ingredient"] = 100 * (best["test_acc"]
+                                          - max(ingredients, key=lambda r: (r["val_acc"], -r["val_loss"]))["test_acc"])
     return {"best_soup": best["name"], "val_acc": best["val_acc"], "test_acc": best["test_acc"],
             "gain_points": gains, "left_out": fitted}

@@ -45,6 +45,9 @@ def parallel_line(report: dict[str, Any]) -> str:
     line = f"the branches added {gains['trunk']:+.1f} points over the trunk"
     if "trunk-continued" in gains:
         line += f", {gains['trunk-continued']:+.1f} over the trunk continued"
+    if "mean ingredient" in gains:
+        line += (f", {gains['mean ingredient']:+.1f} over the mean branch, {gains['best ingredient']:+.1f} over the "
+                 "best-validation branch")
     line += f" (test, best soup by validation: {phase['best_soup']}, {phase['test_acc']:.4f}"
     if phase["left_out"]:
         line += f"; {', '.join(phase['left_out'])} left out of that choice: fitted on validation nodes"
@@ -52,17 +55,20 @@ def parallel_line(report: dict[str, Any]) -> str:
 
 
 def trunk_line(report: dict[str, Any]) -> str:
-    """A warning when the trunk validates more than :data:`TRUNK_GAP_POINTS` below the run's full-graph
-    baseline: its view failed on this graph, and the branches start from that ('' otherwise)."""
-    found = {ref["name"]: ref for ref in report["references"]}
-    if "trunk" not in found or "baseline" not in found:
+    """A warning when the trunk validates more than :data:`TRUNK_GAP_POINTS` below what the run's full-graph
+    baseline reached in the same epochs: its view failed on this graph, and the branches start from that ('' otherwise,
+    and without the baseline's curve)."""
+    trunk = {ref["name"]: ref for ref in report["references"]}.get("trunk")
+    baseline = report.get("baseline_in_trunk_epochs")
+    if trunk is None or baseline is None:
         return ""
-    gap = 100 * (found["baseline"]["val_acc"] - found["trunk"]["val_acc"])
+    gap = 100 * (baseline - trunk["val_acc"])
     if gap <= TRUNK_GAP_POINTS:
         return ""
     view = (report.get("trunk") or {}).get("view", {}).get("kind", "its view")
-    return (f"warning: the trunk validates {gap:.1f} points below the full-graph baseline ({view} failed on this "
-            "graph); where one worker holds the whole graph, trunk.view=full avoids it")
+    epochs = (report.get("trunk") or {}).get("epochs_run")
+    return (f"warning: the trunk validates {gap:.1f} points below the full-graph baseline in the same {epochs} epochs "
+            f"({view} failed on this graph); where one worker holds the whole graph, trunk.view=full avoids it")
 
 
 def format_table(report: dict[str, Any]) -> str:
