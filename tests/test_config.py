@@ -18,7 +18,7 @@ from ladle.core.recipe_files import recipe_dirs
 
 def test_default_recipe_file_is_the_embedded_default_with_a_trunk() -> None:
     recipe = load_recipe("default")
-    assert recipe.trunk == TrunkConfig() and recipe.trunk.epochs > 0 and recipe.trunk_view().kind == "cluster"
+    assert recipe.trunk == TrunkConfig() and recipe.trunk.epochs > 0 and recipe.trunk_view().kind == "saint-rw"
     assert recipe.branch == BranchConfig() and recipe == Recipe() == load_recipe(None)
 
 

@@ -56,10 +56,10 @@ class TrunkConfig:
     weights.
     """
 
-    epochs: int = 100
+    epochs: int = 10
     view: str = ""
     lr: float = 0.01
-    keep: str = "best"
+    keep: str = "last"
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -87,9 +87,9 @@ class BranchConfig:
     """
 
     lr: float | None = None
-    schedule: str = "cos"
+    schedule: str = "constant"
     warmup: int = 0
-    keep: str = "last"
+    keep: str = "best"
     dropout: tuple[float, ...] = ()
     weight_decay: tuple[float, ...] = ()
     lr_scale: tuple[float, ...] = ()
@@ -138,8 +138,8 @@ class Recipe:
     dropout: float = 0.5
     norm: str = "none"
     heads: int = 8
-    view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="cluster"))
-    epochs: int = 100
+    view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="saint-rw"))
+    epochs: int = 200
     lr: float = 0.01
     weight_decay: float = 5e-4
     patience: int = 100
