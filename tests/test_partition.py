@@ -237,3 +237,18 @@ def test_bad_partition_options_are_rejected() -> None:
         ViewConfig(kind="cluster", halo=1)
     with pytest.raises(LadleError, match=r"view\.halo"):
         load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "view.halo=2"])
+
+
+def test_metis_sees_a_directed_graph_made_symmetric(cora_data: Data) -> None:
+    """METIS assumes a symmetric adjacency (on a directed graph it corrupted its heap and hung): it gets the union
+    of the graph and its reverse, each edge once; a symmetric graph's arrays go to it as they are."""
+    adj = InEdges(cora_data.edge_index, cora_data.num_nodes)
+    assert partition_module._symmetric(adj.rowptr, adj.src)[1] is adj.src
+    directed = torch.tensor([[0, 1, 2, 3, 3, 0], [1, 2, 3, 0, 0, 2]])  # a cycle, an edge twice, a chord
+    starts, neighbours = partition_module._symmetric(*partition_module._metis_input(InEdges(directed, 5), 0))
+    rows = torch.repeat_interleave(torch.arange(5), starts.diff())
+    pairs = sorted(zip(rows.tolist(), neighbours.tolist()))
+    assert pairs == sorted({(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3), (0, 2), (2, 0)})
+    one_way = cora_data.edge_index[:, cora_data.edge_index[0] < cora_data.edge_index[1]]  # each edge in one direction
+    parts = metis_partition(InEdges(one_way, cora_data.num_nodes), K, 0)
+    assert torch.equal(parts, metis_partition(adj, K, 0))  # the same graph to METIS, so the same parts

@@ -175,6 +175,7 @@ def metis_partition(adj: InEdges, num_parts: int, seed: int) -> Tensor:
         return torch.zeros(adj.num_nodes, dtype=torch.long)
     starts, adjacency = _metis_input(adj, seed)
     sampled = adjacency is not adj.src
+    starts, adjacency = _symmetric(starts, adjacency)
     graph = pymetis.CSRAdjacency(starts.numpy(), adjacency.numpy())
     del starts, adjacency
     with adj.sources_on_disk() if sampled else contextlib.nullcontext():
@@ -275,6 +276,21 @@ def _metis_input(adj: InEdges, seed: int) -> tuple[Tensor, Tensor]:
     starts = torch.zeros(adj.num_nodes + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(kept_per_row, 0)
     return starts, adj.src[keep]
+
+
+def _symmetric(starts: Tensor, adjacency: Tensor) -> tuple[Tensor, Tensor]:
+    """The CSR ``(starts, adjacency)`` with each edge in both directions, once: the union of a directed graph and its
+    reverse (METIS assumes a symmetric adjacency and corrupts its heap on another), or the arrays as they are when they
+    already are symmetric and free of repeated edges."""
+    num_nodes = starts.numel() - 1
+    rows = torch.repeat_interleave(torch.arange(num_nodes), starts.diff())
+    union = torch.unique(torch.cat([rows * num_nodes + adjacency, adjacency * num_nodes + rows]))
+    del rows
+    if union.numel() == adjacency.numel():
+        return starts, adjacency
+    symmetric = torch.zeros(num_nodes + 1, dtype=torch.long)
+    symmetric[1:] = torch.cumsum(torch.bincount(union // num_nodes, minlength=num_nodes), 0)
+    return symmetric, union % num_nodes
 
 
 def cut_edges(adj: InEdges, parts: Tensor, num_parts: int) -> Tensor:
