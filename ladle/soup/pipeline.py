@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,7 @@ def baseline_in_trunk_epochs(files: RunDir, trunk: dict[str, Any] | None) -> flo
                      if row.get("name") == BASELINE and row.get("val_acc")}
     except (OSError, csv.Error, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None
-    within = [acc for epoch, acc in sorted(curve.items()) if epoch < trunk["epochs_run"]]
+    within = [acc for epoch, acc in sorted(curve.items()) if epoch < trunk.get("epochs_run", 0)]
     if not within:
         return None
     return max(within) if trunk.get("keep") == "best" else within[-1]
@@ -297,7 +298,7 @@ def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evalua
 
 
 def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]],
-                   ingredients: list[dict[str, Any]] = ()) -> dict[str, Any] | None:
+                   ingredients: Sequence[dict[str, Any]] = ()) -> dict[str, Any] | None:
     """What the K branches added: the best soup by validation accuracy (then loss) against the trunk, the
     trunk continued, the baseline, the mean ingredient (what one worker gives, in expectation) and the
     best-validation one (which a user could simply keep), in test points. Soups fitted on validation nodes (the
