@@ -90,7 +90,7 @@ def test_a_soup_fitted_on_validation_nodes_is_left_out_of_the_best_soup_choice()
     soups = [{"name": "soup-gis", "method": "gis", "val_acc": 0.80, "val_loss": 0.7, "test_acc": 0.81},
              {"name": "soup-learned", "method": "learned", "val_acc": 0.90, "val_loss": 0.5, "test_acc": 0.79}]
     references = [{"name": "trunk", "test_acc": 0.80}, {"name": "trunk-continued", "test_acc": 0.82}]
-    branches = [{"val_acc": 0.70, "val_loss": 0.9, "test_acc": 0.76}, {"val_acc": 0.75, "val_loss": 0.8, "test_acc": 0.74}]
+    branches = {"mean ingredient": {"test_acc": 0.75}, "best ingredient": {"test_acc": 0.74}}
     phase = parallel_phase(soups, references, branches)
     assert phase is not None and phase["best_soup"] == "soup-gis" and phase["left_out"] == ["soup-learned"]
     assert phase["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0, "mean ingredient": 6.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -156,14 +156,16 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     soup_rows = [_soup_row(result, evaluator, bundle.names, settings) for result in soups]
     basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
                    trunk if trunk is not None else check_weights(files.init, expected), "trunk" if trunk is not None else "init")
+    best_ingredient = max(rows, key=lambda r: (r["val_acc"], -r["val_loss"]))
+    mean_ingredient = {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
+                       "test_acc": sum(r["test_acc"] for r in rows) / len(rows)}
     report = {
         "run_dir": str(files.path), "dataset": recipe.dataset, "model": recipe.model, "forward": evaluator.forward,
         "view": recipe.view.kind,
         "init": run.get("init"), "ingredients": rows, "soups": soup_rows,
-        "references": references, "parallel_phase": parallel_phase(soup_rows, references, rows),
-        "best_ingredient": max(rows, key=lambda r: (r["val_acc"], -r["val_loss"])),
-        "mean_ingredient": {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
-                            "test_acc": sum(r["test_acc"] for r in rows) / len(rows)},
+        "references": references, "best_ingredient": best_ingredient, "mean_ingredient": mean_ingredient,
+        "parallel_phase": parallel_phase(soup_rows, references, {"mean ingredient": mean_ingredient,
+                                                                 "best ingredient": best_ingredient}),
         "validation": _validation(evaluator, rows),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups), "soup_threads": torch.get_num_threads(),
@@ -298,22 +300,18 @@ def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evalua
 
 
 def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]],
-                   ingredients: Sequence[dict[str, Any]] = ()) -> dict[str, Any] | None:
+                   ingredients: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """What the K branches added: the best soup by validation accuracy (then loss) against the trunk, the
-    trunk continued, the baseline, the mean ingredient (what one worker gives, in expectation) and the
-    best-validation one (which a user could simply keep), in test points. Soups fitted on validation nodes (the
-    learned ones) are left out of the choice: their validation figure is not a fair one."""
+    trunk continued, the baseline and ``ingredients``' summaries (the mean ingredient, what one worker gives in
+    expectation, and the best-validation one, which a user could simply keep), in test points. Soups fitted on
+    validation nodes (the learned ones) are left out of the choice: their validation figure is not a fair one."""
     fitted = sorted(row["name"] for row in soup_rows if SOUPS[row["method"]].fitted)
     candidates = [row for row in soup_rows if row["name"] not in fitted]
     if not candidates:
         return None
     best = max(candidates, key=lambda row: (row["val_acc"], -row["val_loss"]))
-    found = {ref["name"]: ref for ref in references}
-    gains = {name: 100 * (best["test_acc"] - found[name]["test_acc"])
-             for name in (TRUNK, CONTINUED, BASELINE) if name in found}
-    if ingredients:
-        gains["mean ingredient"] = 100 * (best["test_acc"] - sum(r["test_acc"] for r in ingredients) / len(ingredients))
-        gains["best ingredient"] = 100 * (best["test_acc"]
-                                          - max(ingredients, key=lambda r: (r["val_acc"], -r["val_loss"]))["test_acc"])
+    against = {ref["name"]: ref for ref in references if ref["name"] in (TRUNK, CONTINUED, BASELINE)}
+    against |= ingredients or {}
+    gains = {name: 100 * (best["test_acc"] - reference["test_acc"]) for name, reference in against.items()}
     return {"best_soup": best["name"], "val_acc": best["val_acc"], "test_acc": best["test_acc"],
             "gain_points": gains, "left_out": fitted}

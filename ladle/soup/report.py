@@ -65,8 +65,8 @@ def trunk_line(report: dict[str, Any]) -> str:
     gap = 100 * (baseline - trunk["val_acc"])
     if gap <= TRUNK_GAP_POINTS:
         return ""
-    view = (report.get("trunk") or {}).get("view", {}).get("kind", "its view")
-    epochs = (report.get("trunk") or {}).get("epochs_run")
+    summary = report.get("trunk") or {}
+    view, epochs = summary.get("view", {}).get("kind", "its view"), summary.get("epochs_run")
     return (f"warning: the trunk validates {gap:.1f} points below the full-graph baseline in the same {epochs} epochs "
             f"({view} failed on this graph); where one worker holds the whole graph, trunk.view=full avoids it")
 
