@@ -3,11 +3,11 @@
 For each recipe, dataset and seed it runs, as a user would,
 
     python -m ladle.train --recipe R -k 8 --baseline dataset=D seed=S --run-dir <scratch>
-    python -m ladle.soup --run-dir <scratch>
+    python -m ladle.soup --run-dir <scratch> --test-barrier
 
 and reads the soup's report: the trunk, the trunk continued (the same worker training on for a branch's
 epochs), the mean and best-validation ingredient, each soup, the logit ensemble, the full-graph baseline,
-the largest interpolation barrier, and what the branches added (the best soup by validation, learned soups
+the largest interpolation barrier (on validation, and on the test nodes), and what the branches added (the best soup by validation, learned soups
 left out, minus the trunk and minus the trunk continued). Not a test: run it by hand, e.g.
 
     python bench/parallel_phase.py --recipes default cora-metis --datasets cora citeseer --seeds 5
@@ -40,7 +40,7 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
     began, wall = time.perf_counter(), {}
     for command in (["ladle.train", "--recipe", recipe, "-k", str(ingredients), "--workers", str(workers),
                      "--baseline", f"dataset={dataset}", f"seed={seed}", *extra],
-                    ["ladle.soup"]):
+                    ["ladle.soup", "--test-barrier"]):
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", *command, "--run-dir", str(run_dir)], cwd=PROJECT, check=True,
                        stdout=subprocess.DEVNULL)
@@ -59,7 +59,8 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
                 "best soup": 100 * phase["test_acc"]}
     return {"recipe": recipe, "dataset": dataset, "seed": seed, "ingredients": ingredients, "overrides": extra,
             "test": figures, "best_soup": phase["best_soup"], "gain_points": phase["gain_points"],
-            "max_barrier": report["basin"]["max_barrier"], "seconds": time.perf_counter() - began,
+            "max_barrier": report["basin"]["max_barrier"], "max_test_barrier": report["basin"].get("max_test_barrier"),
+            "seconds": time.perf_counter() - began,
             "command_seconds": wall,
             "steps": {name: references[name].get("steps") for name in ("trunk", "trunk-continued", "baseline")
                       if name in references},
@@ -76,8 +77,8 @@ def _metas(run_dir: Path, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def summary(records: list[dict[str, Any]]) -> str:
     """Markdown: means over seeds per recipe and dataset, then the gains."""
-    lines = ["| recipe | dataset | seeds | " + " | ".join(COLUMNS) + " | max barrier | best soup − trunk "
-             "| best soup − trunk continued |", "|" + "---|" * (len(COLUMNS) + 6)]
+    lines = ["| recipe | dataset | seeds | " + " | ".join(COLUMNS) + " | max barrier | max test barrier "
+             "| best soup − trunk | best soup − trunk continued |", "|" + "---|" * (len(COLUMNS) + 7)]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((record["recipe"], record["dataset"]), []).append(record)
@@ -86,8 +87,10 @@ def summary(records: list[dict[str, Any]]) -> str:
                  for c in COLUMNS]
         gains = [statistics.mean(r["gain_points"].get(name, float("nan")) for r in rows)
                  for name in ("trunk", "trunk-continued")]
+        on_test = [r["max_test_barrier"] for r in rows if r.get("max_test_barrier") is not None]
         lines.append(f"| {recipe} | {dataset} | {len(rows)} | " + " | ".join(cells)
-                     + f" | {max(r['max_barrier'] for r in rows):.1f} | {gains[0]:+.2f} | {gains[1]:+.2f} |")
+                     + f" | {max(r['max_barrier'] for r in rows):.1f} | {f'{max(on_test):.1f}' if on_test else '–'} "
+                     + f"| {gains[0]:+.2f} | {gains[1]:+.2f} |")
     return "\n".join(lines)
 
 

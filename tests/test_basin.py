@@ -12,7 +12,7 @@ from ladle.core.recipe import load_recipe
 from ladle.graph.inputs import graph_inputs
 from ladle.nn.models import build_model
 from ladle.nn.scoring import evaluate
-from ladle.soup.basin import barrier, distance, ingredient_distances
+from ladle.soup.basin import barrier, distance, ingredient_distances, path_barriers
 
 ALPHAS = [i / 10 for i in range(11)]
 
@@ -43,6 +43,21 @@ def test_barrier_of_a_sagging_curve() -> None:
     assert barrier([a for a, _ in shuffled], [v for _, v in shuffled]) == pytest.approx(7.6)
     assert barrier([0.0, 0.5, 1.0], [0.7, 0.9, 0.8]) == 0.0  # above its chord: no barrier
     assert barrier([0.0, 1.0], [0.6, 0.9]) == 0.0
+
+
+def test_path_barriers_walk_the_soup_each_step_kept() -> None:
+    path = [{"w": torch.tensor([0.0])}, {"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])}]
+    seen = []
+
+    def accuracy(state: dict[str, torch.Tensor]) -> float:  # a sag of its own: (w - 0.5)^2
+        seen.append(float(state["w"]))
+        return (float(state["w"]) - 0.5) ** 2
+
+    barriers = path_barriers(path, [0.5, 1.0], [[0.0, 0.5, 1.0], [0.0, 0.5, 1.0]], accuracy)
+    # step 1: soup 0 toward 1, w = 1, 0.5, 0 (alpha weighs the soup): values 0.25, 0, 0.25, a sag of 25 points;
+    # step 2 starts from the kept mix, w = 0.5: toward 3, w = 3, 1.75, 0.5: 6.25, 1.5625, 0 under a chord of 3.125
+    assert seen == pytest.approx([1.0, 0.5, 0.0, 3.0, 1.75, 0.5])
+    assert barriers == pytest.approx([25.0, 156.25])
 
 
 def test_barrier_rejects_malformed_paths() -> None:

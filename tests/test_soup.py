@@ -367,7 +367,8 @@ def test_greedy_and_gis_read_no_label_outside_validation(cora_run: Path, cora_da
 
 def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """``--method``, ``--grid``, ``--search`` and ``--metric`` decide the GIS soup the command writes."""
+    """``--method``, ``--grid``, ``--search``, ``--metric`` and ``--test-barrier`` decide the GIS soup the command
+    writes and what its report measures."""
     run = tmp_path / "run"
     shutil.copytree(cora_run, run)
 
@@ -380,7 +381,9 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
             key: report["soups"][0][key] for key in ("grid", "search", "evaluations", "alphas")}
         return report
 
-    report = soup("--grid", "5", "--metric", "loss")
+    report = soup("--grid", "5", "--metric", "loss", "--test-barrier")
+    on_test = [step["test_barrier"] for step in report["basin"]["steps"]]
+    assert len(on_test) == 3 and min(on_test) >= 0 and report["basin"]["max_test_barrier"] == max(on_test)
     row = report["soups"][0]
     # each step scores the grid but its two ends (known)
     assert (row["metric"], row["grid"], row["search"], row["evaluations"]) == ("loss", 5, "grid", 3 * (5 - 2))
@@ -390,6 +393,7 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
         assert alpha == max(curve, key=lambda point: (-point[2], point[0]))[0]
 
     report = soup("--search", "fast", "--metric", "acc")
+    assert report["basin"]["max_test_barrier"] is None  # only when asked
     row = report["soups"][0]
     assert (row["metric"], row["grid"], row["search"]) == ("acc", 21, "fast")
     assert row["evaluations"] == sum(len(curve) - 2 for curve in row["curves"]) < 3 * 21  # the ends known

@@ -31,7 +31,7 @@ def frozen_run(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     run = train_ingredients(recipe, ingredients=3, workers=1, run_dir=run_dir, baseline=True, data_root=data_root,
                             threads=1)
     assert not run.failed and run.trunk is not None
-    soup_run(run_dir, data_root=data_root)
+    soup_run(run_dir, data_root=data_root, test_barrier=True)
     return run_dir
 
 
@@ -56,12 +56,14 @@ def test_report_gives_the_barrier_of_every_step_and_the_distances(frozen_run: Pa
     basin = report["basin"]
     assert basin["start"] == "trunk" and len(basin["steps"]) == 3  # the trunk first, then every ingredient
     assert all(step["barrier"] == 0.0 for step in basin["steps"])  # one model three times: no sag anywhere
+    assert all(step["test_barrier"] == 0.0 for step in basin["steps"]) and basin["max_test_barrier"] == 0.0
     assert all(row["from_trunk"] < 1e-12 for row in basin["distances"])
     gis = next(soup for soup in report["soups"] if soup["method"] == "gis")
     assert gis["kept"][0] == "trunk"
     markdown = (frozen_run / "report.md").read_text()
-    assert "## Basin" in markdown and "| step | ingredient | alpha | barrier |" in markdown
-    assert "one basin: every interpolation step's barrier is <= 1 point (largest 0.0)" in markdown
+    assert "## Basin" in markdown and "| step | ingredient | alpha | barrier | test barrier |" in markdown
+    assert ("one basin: every interpolation step's barrier is <= 1 point (largest 0.0; on the test nodes, along the "
+            "same path, the largest is 0.0)") in markdown
     assert "| soup | test | mean ingredient | best ingredient | trunk | ensemble |" in markdown
     assert "| trunk (ref) |" in markdown and "distance from trunk" in markdown
 
@@ -78,6 +80,7 @@ def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:
                             "warmup": 0}
     report = soup_run(tmp_path / "run", data_root=data_root)
     assert report["basin"]["start"] == "init" and len(report["basin"]["steps"]) == 1
+    assert report["basin"]["max_test_barrier"] is None and "test_barrier" not in report["basin"]["steps"][0]  # only when asked
     assert all(ref["name"] != "trunk" for ref in report["references"])
     best = max(report["ingredients"], key=lambda row: (row["val_acc"], -row["val_loss"]))["name"]
     assert report["soups"][0]["kept"][0] == best

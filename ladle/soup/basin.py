@@ -7,12 +7,12 @@ training took the ingredients.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from ladle.core.weights import distance
+from ladle.core.weights import distance, interpolate
 
 State = Mapping[str, Tensor]
 
@@ -36,6 +36,21 @@ def barrier(alphas: Sequence[float], values: Sequence[float]) -> float:
     fraction = (alpha - alpha[0]) / (alpha[-1] - alpha[0])
     chord = value[0] + fraction * (value[-1] - value[0])
     return max(0.0, 100 * float((chord - value).max()))
+
+
+def path_barriers(path: Sequence[State], kept_alphas: Sequence[float], tried: Sequence[Sequence[float]],
+                  accuracy: Callable[[State], float]) -> list[float]:
+    """The barrier of each step of a greedy-interpolation path by another figure than the one that chose it (e.g.
+    accuracy on the test nodes, whose thousands of nodes resolve a sag that a few hundred validation nodes do not).
+
+    ``path``: the path's start, then each step's ingredient; ``tried[i]``: the alphas step ``i`` scored; the soup
+    after step ``i`` is ``kept_alphas[i] * soup + (1 - kept_alphas[i]) * ingredient``.
+    """
+    soup, barriers = path[0], []
+    for ingredient, kept, alphas in zip(path[1:], kept_alphas, tried):
+        barriers.append(barrier(alphas, [accuracy(interpolate(soup, ingredient, alpha)) for alpha in alphas]))
+        soup = interpolate(soup, ingredient, kept)
+    return barriers
 
 
 def ingredient_distances(init: State, soup: State, ingredients: Sequence[State]) -> list[dict[str, float]]:

@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metric", choices=SOUP_METRICS, help="validation score to maximise (default acc: ties accepted, as Wortsman et al.)")
     parser.add_argument("--no-recompute-bn", dest="recompute_bn", action="store_false", default=None,
                         help="keep averaged batch-norm statistics instead of recomputing them")
+    parser.add_argument("--test-barrier", action="store_true",
+                        help="also measure each interpolation step's barrier on the test nodes, whose number resolves a "
+                             "sag that a few hundred validation nodes do not (a diagnostic: one whole-graph pass per "
+                             "alpha tried, ~170 on 8 ingredients)")
     parser.add_argument("--skip-bad", action="store_true", help="skip corrupt or mismatched ingredients")
     parser.add_argument("--data-root", help="dataset root folder")
     parser.add_argument("--allow-other-data", action="store_true",
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         raise LadleError("--grid must be >= 2")
     report = soup_run(args.run_dir, args.method, args.grid, args.search, args.metric, args.recompute_bn,
                       args.skip_bad, args.data_root, allow_other_data=args.allow_other_data,
-                      model=import_model_class(args.model_class) if args.model_class else None)
+                      model=import_model_class(args.model_class) if args.model_class else None,
+                      test_barrier=args.test_barrier)
     print(format_table(report))
     print(f"report: {RunDir(report['run_dir']).report_md}")
     return 0

@@ -244,6 +244,10 @@ class Evaluator:
         mask = self.data[mask_name]
         return metrics(self.full_logits(state)[mask], self.data.y[mask])
 
+    def test_accuracy(self, state: StateDict) -> float:
+        """Test accuracy of ``state``, from one whole-graph pass: a report's figure, never a choice's."""
+        return self.split_metrics(self.full_logits(state))["test_acc"]
+
     def split_metrics(self, logits: Tensor) -> dict[str, float]:
         """Validation accuracy and loss and test accuracy of full-graph ``logits`` (a report row's figures); the test
         split's from each node's predicted class alone, no copy of its logits (most of them, on some graphs)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from ladle.nn.saved import (
 )
 from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
-from ladle.soup.basin import barrier, ingredient_distances
+from ladle.soup.basin import barrier, ingredient_distances, path_barriers
 from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, Mixes, SoupResult
 from ladle.soup.methods import (
     ALL_METHODS,
@@ -67,12 +67,13 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
              search: str | None = None, metric: str | None = None, recompute_bn: bool | None = None,
              skip_bad: bool = False, data_root: str | Path | None = None, write: bool = True,
              allow_other_data: bool = False, data: Data | None = None,
-             model: ModelFactory | None = None) -> dict[str, Any]:
+             model: ModelFactory | None = None, test_barrier: bool = False) -> dict[str, Any]:
     """Soup a run's ingredients with the chosen methods and write the soups and the report.
 
     Unset options come from the run's recipe (section ``soup``). Returns the report as a dict. The data must be
     the run's (``run.json`` records its identity; ``data``: the graph it was given in memory), unless
     ``allow_other_data``. ``model``: the class a run of your own model (``model: custom``) was trained with.
+    ``test_barrier``: also measure the interpolation path's barriers on the test nodes (a diagnostic, never a choice).
     This is the library call behind ``python -m ladle.soup``.
     """
     files = RunDir(resolve_run_dir(run_dir))
@@ -154,8 +155,10 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, expected)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, bundle.names, settings) for result in soups]
-    basin = _basin(soups, bundle, [bundle.names[i] for i in (order if trunk is not None else order[1:])],
-                   trunk if trunk is not None else check_weights(files.init, expected), "trunk" if trunk is not None else "init")
+    start = trunk if trunk is not None else check_weights(files.init, expected)
+    path = [(bundle.names[i], bundle.states[i]) for i in order]  # greedy interpolation's: trunk first, then best-first
+    basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], start,
+                   "trunk" if trunk is not None else "init", evaluator.test_accuracy if test_barrier else None)
     best_ingredient = max(rows, key=lambda r: (r["val_acc"], -r["val_loss"]))
     mean_ingredient = {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                        "test_acc": sum(r["test_acc"] for r in rows) / len(rows)}
@@ -255,19 +258,27 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str],
             "seconds": result.seconds, **settings, **result.report_fields()}
 
 
-def _basin(soups: list[SoupResult], bundle: Ingredients, step_names: list[str], start: StateDict,
-           start_name: str) -> dict[str, Any]:
+def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]], start: StateDict,
+           start_name: str, test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
     """Whether the ingredients sit in one basin: the barrier (:func:`ladle.soup.basin.barrier`, validation points)
-    of every greedy-interpolation step, and each ingredient's distance from the weights it started from
-    (``start_name``: the trunk or the shared init) and from the soup (the first with interpolation curves, else the first soup made)."""
+    of every greedy-interpolation step (``path``: its start, then each step's ingredient, named) and, where
+    ``test_accuracy`` is given, the same path's barrier on the test nodes; and each ingredient's
+    distance from the weights it started from (``start_name``: the trunk or the shared init) and from the soup (the
+    first with interpolation curves, else the first soup made)."""
     interpolated = next((result for result in soups if result.curves), None)
-    steps = [] if interpolated is None else [
-        {"ingredient": name, "alpha": alpha, "barrier": barrier([a for a, _, _ in curve], [acc for _, acc, _ in curve])}
-        for name, alpha, curve in zip(step_names, interpolated.alphas, interpolated.curves)]
+    alphas, curves = ([], []) if interpolated is None else (interpolated.alphas, interpolated.curves)
+    steps = [{"ingredient": name, "alpha": alpha,
+              "barrier": barrier([a for a, _, _ in curve], [acc for _, acc, _ in curve])}
+             for (name, _), alpha, curve in zip(path[1:], alphas, curves)]
+    if test_accuracy is not None and steps:
+        tried = [[a for a, _, _ in curve] for curve in curves]
+        for step, test_barrier in zip(steps, path_barriers([state for _, state in path], alphas, tried, test_accuracy)):
+            step["test_barrier"] = test_barrier
     soup = interpolated or soups[0]
     distances = ingredient_distances(start, soup.state, bundle.states)
     return {"start": start_name, "soup": soup_name(soup.method), "steps": steps,
             "max_barrier": max((step["barrier"] for step in steps), default=0.0),
+            "max_test_barrier": max((step["test_barrier"] for step in steps), default=0.0) if test_accuracy else None,
             "distances": [{"name": name, f"from_{start_name}": d["from_init"], "from_soup": d["from_soup"]}
                           for name, d in zip(bundle.names, distances)]}
 

@@ -184,22 +184,27 @@ def basin_line(basin: dict[str, Any]) -> str:
     if not basin["steps"]:
         return "basin: no interpolation steps (one candidate, or no gis soup)"
     worst = max(basin["steps"], key=lambda step: step["barrier"])
+    on_test = ("" if basin.get("max_test_barrier") is None
+               else f"; on the test nodes, along the same path, the largest is {basin['max_test_barrier']:.1f}")
     if worst["barrier"] > BASIN_POINTS:
+        on_test = on_test or "; ladle.soup --test-barrier measures the same path on the test nodes"
         return (f"ingredients are not in one basin: the validation curve toward {worst['ingredient']} sags "
-                f"{worst['barrier']:.1f} points below its chord (barrier > {BASIN_POINTS:g} point)")
+                f"{worst['barrier']:.1f} points below its chord (barrier > {BASIN_POINTS:g} point{on_test})")
     return (f"one basin: every interpolation step's barrier is <= {BASIN_POINTS:g} point "
-            f"(largest {worst['barrier']:.1f})")
+            f"(largest {worst['barrier']:.1f}{on_test})")
 
 
 def basin_section(basin: dict[str, Any]) -> list[str]:
     """Markdown: the barrier of every greedy-interpolation step and each ingredient's distances."""
-    start = basin["start"]
+    start, on_test = basin["start"], basin.get("max_test_barrier") is not None
     lines = ["", "## Basin", "", basin_line(basin) + ".", "",
              f"Barrier: how far validation accuracy (points) sags below the straight line between the soup so far "
-             f"and the next ingredient ({basin['soup']}).", "",
-             "| step | ingredient | alpha | barrier |", "|---|---|---|---|"]
+             f"and the next ingredient ({basin['soup']})" + (", and test accuracy at the same alphas" if on_test else "")
+             + ".", "",
+             "| step | ingredient | alpha | barrier |" + (" test barrier |" if on_test else ""),
+             "|---|---|---|---|" + ("---|" if on_test else "")]
     lines += [f"| {i} | {step['ingredient']} | {step['alpha']:.2f} | {step['barrier']:.2f} |"
-              for i, step in enumerate(basin["steps"], start=1)]
+              + (f" {step['test_barrier']:.2f} |" if on_test else "") for i, step in enumerate(basin["steps"], start=1)]
     lines += ["", f"| ingredient | distance from {start} | distance from {basin['soup']} |", "|---|---|---|"]
     lines += [f"| {row['name']} | {row[f'from_{start}']:.3f} | {row['from_soup']:.3f} |" for row in basin["distances"]]
     return lines
