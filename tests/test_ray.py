@@ -1,7 +1,10 @@
 """The Ray backend: same weights as the local backend, retries after a raising task and a dead worker,
 weights gathered to the driver, and a one-line error when Ray is not installed.
 
-One local Ray cluster (2 CPUs) serves the whole module; the backend reuses it.
+One local Ray cluster (2 CPUs) serves the whole module; the backend reuses it, and its worker processes keep
+torch and PyG imported from one test to the next. The test that joins from a second driver comes last: its job's
+workers take the cluster's CPUs, and Ray retires the module's idle workers for them (a later test would wait for
+fresh ones: 15 s of imports on one core).
 """
 from __future__ import annotations
 
@@ -115,39 +118,6 @@ def test_a_node_without_the_drivers_shards_prepares_the_same(data_root: Path, tm
         node_shards(tampered, metis, str(data_root))
 
 
-SHIPPING_DRIVER = """
-import sys
-sys.path.insert(0, sys.argv[1])  # on the driver's path only: Ray gives its workers the driver's folder, not this
-from their_gnn import MeanGNN
-import ladle
-from ladle.core.recipe import load_recipe
-run = ladle.train_ingredients(load_recipe(None, sys.argv[5:]), 2, run_dir=sys.argv[3], data_root=sys.argv[2],
-                              backend="ray", model=MeanGNN, ray_options={"address": sys.argv[4], "cpus": 1, "gpus": 0})
-assert not run.failed, run.failed
-"""
-
-
-def test_your_model_is_shipped_to_the_nodes(data_root: Path, tmp_path: Path, ray_address: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model class from a module only the driver can import (not installed, not in Ray's workers' path) trains
-    on the cluster a driver joins as on the local backend: ladle ships its module with the driver's job."""
-    user_code = tmp_path / "user-code"
-    user_code.mkdir()
-    (user_code / "their_gnn.py").write_text((Path(__file__).parents[1] / "notebooks" / "my_gnn.py").read_text())
-    subprocess.run([sys.executable, "-c", SHIPPING_DRIVER, str(user_code), str(data_root), str(tmp_path / "ray"),
-                    ray_address, *OVERRIDES], cwd=tmp_path, check=True, timeout=300)
-    monkeypatch.syspath_prepend(str(user_code))
-    from their_gnn import MeanGNN
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("ladle.train.launch.available_cores", lambda: 1)
-        local = train_ingredients(load_recipe(None, OVERRIDES), 2, workers=1, run_dir=tmp_path / "local",
-                                  data_root=data_root, model=MeanGNN)
-    for meta in local.ingredients:
-        ours, theirs = (load_state(folder / f"{meta['name']}.safetensors") for folder in (tmp_path / "ray", local.run_dir))
-        assert ours.keys() == theirs.keys() and all(key.startswith("module.") for key in ours)
-        assert all(torch.equal(ours[key], theirs[key]) for key in theirs), meta["name"]
-
-
 def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:
     """A NaN loss fails its ingredient at once (a retry would fail the same way); the run records it."""
     exploding = load_recipe(None, [*OVERRIDES, "lr=1.0e+30"])
@@ -180,3 +150,36 @@ def test_cli_without_ray(data_root: Path, tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "ladle[ray]" in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+SHIPPING_DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])  # on the driver's path only: Ray gives its workers the driver's folder, not this
+from their_gnn import MeanGNN
+import ladle
+from ladle.core.recipe import load_recipe
+run = ladle.train_ingredients(load_recipe(None, sys.argv[5:]), 2, run_dir=sys.argv[3], data_root=sys.argv[2],
+                              backend="ray", model=MeanGNN, ray_options={"address": sys.argv[4], "cpus": 1, "gpus": 0})
+assert not run.failed, run.failed
+"""
+
+
+def test_your_model_is_shipped_to_the_nodes(data_root: Path, tmp_path: Path, ray_address: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model class from a module only the driver can import (not installed, not in Ray's workers' path) trains
+    on the cluster a driver joins as on the local backend: ladle ships its module with the driver's job."""
+    user_code = tmp_path / "user-code"
+    user_code.mkdir()
+    (user_code / "their_gnn.py").write_text((Path(__file__).parents[1] / "notebooks" / "my_gnn.py").read_text())
+    subprocess.run([sys.executable, "-c", SHIPPING_DRIVER, str(user_code), str(data_root), str(tmp_path / "ray"),
+                    ray_address, *OVERRIDES], cwd=tmp_path, check=True, timeout=300)
+    monkeypatch.syspath_prepend(str(user_code))
+    from their_gnn import MeanGNN
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ladle.train.launch.available_cores", lambda: 1)
+        local = train_ingredients(load_recipe(None, OVERRIDES), 2, workers=1, run_dir=tmp_path / "local",
+                                  data_root=data_root, model=MeanGNN)
+    for meta in local.ingredients:
+        ours, theirs = (load_state(folder / f"{meta['name']}.safetensors") for folder in (tmp_path / "ray", local.run_dir))
+        assert ours.keys() == theirs.keys() and all(key.startswith("module.") for key in ours)
+        assert all(torch.equal(ours[key], theirs[key]) for key in theirs), meta["name"]
