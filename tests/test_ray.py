@@ -8,6 +8,7 @@ fresh ones: 15 s of imports on one core).
 """
 from __future__ import annotations
 
+import concurrent.futures as futures
 import os
 import subprocess
 import sys
@@ -102,20 +103,34 @@ def test_metis_parts_read_their_shards_and_match_local(data_root: Path, tmp_path
 
 def test_a_node_without_the_drivers_shards_prepares_the_same(data_root: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shards out of a node's reach are prepared in its own cache and must be the driver's, digest and all."""
+    """Shards out of a node's reach are prepared in its own cache, once for the node's worker processes (the others
+    wait, then read the cache), and must be the driver's, digest and all."""
     from ladle.graph.shards import prepare_shards
+    from ladle.train import ray_tasks
     from ladle.train.ray_tasks import ShardSource, node_shards, partition_digest
 
     metis = load_recipe(None, [*OVERRIDES, "view.kind=metis"])
     driver = ShardSource.of(prepare_shards(metis, K, data_root), K)
     assert driver.digest
     monkeypatch.setenv("LADLE_CACHE", str(tmp_path / "node-cache"))  # another node: an empty cache of its own
+    preparations = []
+
+    class CountedPool(futures.ProcessPoolExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            preparations.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ray_tasks.futures, "ProcessPoolExecutor", CountedPool)
     unreachable = ShardSource(str(tmp_path / "elsewhere"), driver.key, driver.digest, K)
-    shards = node_shards(unreachable, metis, str(data_root))
-    assert shards.path.is_relative_to(tmp_path / "node-cache") and partition_digest(shards) == driver.digest
+    with futures.ThreadPoolExecutor(2) as workers:  # two worker processes of one node, as far as the lock can tell
+        found = list(workers.map(lambda _: node_shards(unreachable, metis, str(data_root)), range(2)))
+    assert len(preparations) == 1
+    for shards in found:
+        assert shards.path.is_relative_to(tmp_path / "node-cache") and partition_digest(shards) == driver.digest
     tampered = ShardSource(str(tmp_path / "elsewhere"), driver.key, "0" * 64, K)
     with pytest.raises(LadleError, match=r"differ from the driver's .*put LADLE_CACHE on storage every node sees"):
         node_shards(tampered, metis, str(data_root))
+    assert len(preparations) == 1, "shards already in the node's cache were prepared again"
 
 
 def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) -> None:

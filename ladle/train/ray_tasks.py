@@ -6,8 +6,9 @@ memory-maps its part shard only, anything else the whole-graph shard, kept by th
 next task; it uses ``--cpus-per-ingredient`` threads, so the same seed gives bit-identical weights on both
 backends. Where the shards come from on a node: the driver's cache folder when the node sees it (shared
 storage, e.g. ``LADLE_CACHE`` on NFS); else the node prepares the same inputs into its own cache (its
-``--data-root`` must hold the same dataset files, same sizes and mtimes) in a fresh process, and the result is
-checked against the driver's: the same cache key and the same partition digest, or the task fails naming both.
+``--data-root`` must hold the same dataset files, same sizes and mtimes) in a fresh process, once per node (its
+other worker processes wait for it, then read it from the cache), and the result is checked against the driver's:
+the same cache key and the same partition digest, or the task fails naming both.
 
 Where the weights go: by default each task writes its checkpoint into the run directory itself,
 which must then be on storage every node sees. With ``gather`` the task trains in a temporary folder
@@ -34,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import multiprocessing as mp
@@ -42,6 +44,7 @@ import socket
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,7 @@ from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import atomic_open, save_state, write_json
+from ladle.graph.datasets import cache_dir
 from ladle.graph.shards import ShardSet, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask
 from ladle.train.worker import ShardWorker, kept_worker
@@ -101,16 +105,21 @@ def _prepare(recipe: dict[str, Any], ingredients: int, data_root: str | None) ->
 
 
 def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> ShardSet:
-    """The run's shards on this node: the driver's folder when it is reachable here, else the same inputs prepared
-    into this node's cache, checked to be the driver's (cache key and partition digest)."""
-    with contextlib.suppress(LadleError, OSError):
-        shards = ShardSet.open(Path(source.path))
-        if shards.meta.get("key") == source.key and shards.complete():
-            return shards
-    log.info("the driver's shards %s are not reachable here; preparing them on this node", source.path)
-    # a fresh process: METIS draws from the process-wide rand(), which Ray's own threads also call
-    with futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        shards = ShardSet.open(Path(pool.submit(_prepare, recipe.to_dict(), source.ingredients, data_root).result()))
+    """The run's shards on this node: the driver's folder when it is reachable here, else the same inputs in this
+    node's cache (prepared there by the first worker process that needs them, while the others wait), checked to be
+    the driver's (cache key and partition digest)."""
+    shards = _complete(Path(source.path), source.key)
+    if shards is not None:
+        return shards
+    cache = cache_dir()
+    with _held(cache / "locks" / f"shards-{source.key}.lock"):
+        shards = _complete(cache / "shards" / source.key, source.key)
+        if shards is None:
+            log.info("the driver's shards %s are not reachable here; preparing them on this node", source.path)
+            # a fresh process: METIS draws from the process-wide rand(), which Ray's own threads also call
+            with futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                prepared = pool.submit(_prepare, recipe.to_dict(), source.ingredients, data_root).result()
+            shards = ShardSet.open(Path(prepared))
     digest = partition_digest(shards)
     if shards.meta["key"] != source.key or digest != source.digest:
         raise LadleError(f"the shards prepared on {socket.gethostname()} ({shards.meta['key']}, partition "
@@ -118,6 +127,31 @@ def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> S
                          f"{source.digest[:12] or 'none'}): give every node the same dataset files (same sizes and "
                          "mtimes) or put LADLE_CACHE on storage every node sees")
     return shards
+
+
+def _complete(folder: Path, key: str) -> ShardSet | None:
+    """The complete shards in ``folder`` if they are those of cache key ``key``, else None."""
+    with contextlib.suppress(LadleError, OSError):
+        shards = ShardSet.open(folder)
+        if shards.meta.get("key") == key and shards.complete():
+            return shards
+    return None
+
+
+@contextlib.contextmanager
+def _held(lock_file: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock_file`` while the block runs (the kernel drops it if the process dies); where
+    the file system has no ``flock``, the block runs unlocked (a concurrent preparation is then only wasted work)."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_file, "a")
+    except OSError as error:
+        raise LadleError(f"cannot write to the cache {lock_file.parent.parent}: {error.strerror} "
+                         "(set LADLE_CACHE to a writable folder)") from None
+    with handle:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _parse_fault(spec: str | None) -> tuple[str, str, Path] | None:
