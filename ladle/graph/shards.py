@@ -250,6 +250,11 @@ def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = N
     return _hash(shard_inputs(recipe, ingredients, data_root, graph))
 
 
+def cached_shards(key: str) -> Path:
+    """The cache folder of the shards whose cache key is ``key`` (:func:`shard_key`)."""
+    return cache_dir() / "shards" / key
+
+
 def _hash(inputs: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -331,9 +336,9 @@ def prepare_shards(recipe: Recipe, ingredients: int, data_root: str | Path | Non
     """
     if ingredients < 1:
         raise LadleError(f"--ingredients must be >= 1, got {ingredients}")
-    root = cache_dir() / "shards"
     inputs = shard_inputs(recipe, ingredients, data_root, graph)
-    target = root / _hash(inputs)
+    target = cached_shards(_hash(inputs))
+    root = target.parent
     stale = target.exists()
     if stale and not force and inputs["data"] is not None:
         try:

@@ -57,7 +57,7 @@ from ladle.core.resources import available_cores
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import atomic_open, save_state, write_json
 from ladle.graph.datasets import cache_dir
-from ladle.graph.shards import ShardSet, prepare_shards
+from ladle.graph.shards import ShardSet, cached_shards, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask
 from ladle.train.worker import ShardWorker, kept_worker
 
@@ -111,9 +111,8 @@ def node_shards(source: ShardSource, recipe: Recipe, data_root: str | None) -> S
     shards = _complete(Path(source.path), source.key)
     if shards is not None:
         return shards
-    cache = cache_dir()
-    with _held(cache / "locks" / f"shards-{source.key}.lock"):
-        shards = _complete(cache / "shards" / source.key, source.key)
+    with _held(cache_dir() / "locks" / f"shards-{source.key}.lock"):
+        shards = _complete(cached_shards(source.key), source.key)
         if shards is None:
             log.info("the driver's shards %s are not reachable here; preparing them on this node", source.path)
             # a fresh process: METIS draws from the process-wide rand(), which Ray's own threads also call
