@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladle.core.recipe import Recipe, load_recipe
+from ladle.core.recipe import Recipe, load_recipe, recipe_from_dict
 from ladle.core.rundir import RunDir
 from ladle.core.storage import load_state
+from ladle.soup.crossfit import cross_fitted, pooled
+from ladle.soup.evaluator import Evaluator, SoupResult
+from ladle.soup.methods import SOUPS, SoupInputs, SoupMethod
 from ladle.soup.pipeline import baseline_in_trunk_epochs, parallel_phase, soup_run
 from ladle.soup.report import format_table, trunk_line
 from ladle.train.launch import train_ingredients
@@ -60,6 +63,7 @@ def test_the_report_opens_with_what_the_branches_added(continued_run: Path) -> N
     phase = report["parallel_phase"]
     gis = next(soup for soup in report["soups"] if soup["method"] == "gis")
     assert phase["best_soup"] == "soup-gis" and phase["left_out"] == []
+    assert phase["chosen_by"] == "cross-fitted validation" and 0 < gis["held_out_val_acc"] <= 1
     assert phase["gain_points"]["trunk"] == pytest.approx(100 * (gis["test_acc"] - references["trunk"]["test_acc"]))
     assert phase["gain_points"]["trunk-continued"] == pytest.approx(
         100 * (gis["test_acc"] - references["trunk-continued"]["test_acc"]))
@@ -97,6 +101,50 @@ def test_a_soup_fitted_on_validation_nodes_is_left_out_of_the_best_soup_choice()
                                                   "best ingredient": 7.0})
     assert parallel_phase(soups, references)["gain_points"] == pytest.approx({"trunk": 1.0, "trunk-continued": -1.0})
     assert parallel_phase(soups[1:], references) is None  # nothing fair to choose from
+
+
+def test_the_best_soup_is_chosen_by_its_cross_fitted_figure() -> None:
+    soups = [{"name": "soup-uniform", "method": "uniform", "val_acc": 0.80, "val_loss": 0.7, "test_acc": 0.82,
+              "held_out_val_acc": 0.80, "held_out_val_loss": 0.7},
+             {"name": "soup-gis", "method": "gis", "val_acc": 0.83, "val_loss": 0.6, "test_acc": 0.81,
+              "held_out_val_acc": 0.79, "held_out_val_loss": 0.8}]
+    phase = parallel_phase(soups, [{"name": "trunk", "test_acc": 0.80}])
+    assert phase is not None and phase["best_soup"] == "soup-uniform"
+    assert phase["chosen_by"] == "cross-fitted validation"
+    assert phase["by_validation"] == {"name": "soup-gis", "test_acc": 0.81}
+    assert phase["gain_points"]["trunk"] == pytest.approx(2.0)
+    plain = parallel_phase([{k: v for k, v in soup.items() if not k.startswith("held_out")} for soup in soups], [])
+    assert plain["best_soup"] == "soup-gis" and plain["chosen_by"] == "validation"
+
+
+def test_a_cross_fitted_figure_judges_each_half_by_what_the_other_chose(continued_run: Path, cora_data) -> None:
+    recipe = recipe_from_dict(json.loads((continued_run / "run.json").read_text())["recipe"])
+    evaluator = Evaluator(recipe, cora_data)
+    states = [load_state(continued_run / f"{name}.safetensors") for name in ("trunk", "ingredient-00", "ingredient-01")]
+    first, second = evaluator.folds(recipe.seed)
+    assert (first.numel(), second.numel()) == (250, 250)
+    assert torch.equal(torch.cat([first, second]).sort().values, torch.arange(500))
+    halves = {}
+    for name, fold in (("first", first), ("second", second)):
+        with evaluator.scoring_on(fold):
+            halves[name] = [evaluator.validation(state) for state in states]
+    whole = [evaluator.validation(state) for state in states]
+    for k, state in enumerate(states):  # two halves pooled are the whole split
+        both = pooled([(halves["first"][k], 250), (halves["second"][k], 250)])
+        assert both.acc == pytest.approx(whole[k].acc) and both.loss == pytest.approx(whole[k].loss)
+
+    # a method that keeps the best-scored state: made on one half, it is judged on the other
+    pick = SoupMethod("pick", lambda inputs: SoupResult(inputs.states[inputs.order[0]], 0, [inputs.order[0]]))
+    inputs = SoupInputs(states=states, scores=whole, order=[0, 1, 2], score=evaluator.validation,
+                        interpolation=evaluator.interpolation, metric="acc", grid=5, fast=False, evaluator=evaluator,
+                        seed=recipe.seed)
+    figures = cross_fitted([pick, SOUPS["uniform"]], inputs, evaluator)
+    chosen = {name: max(range(3), key=lambda k: halves[name][k].acc) for name in halves}  # first best on ties
+    expected = pooled([(halves["second"][chosen["first"]], 250), (halves["first"][chosen["second"]], 250)])
+    assert figures["pick"].acc == pytest.approx(expected.acc) and figures["pick"].loss == pytest.approx(expected.loss)
+    uniform = evaluator.validation(SOUPS["uniform"](inputs).state)
+    assert figures["uniform"].acc == pytest.approx(uniform.acc)
+    assert figures["uniform"].loss == pytest.approx(uniform.loss)
 
 
 def test_the_embedded_default_is_the_default_recipe_file() -> None:

@@ -2,7 +2,8 @@
 :class:`SoupResult`, what every soup method returns."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -99,6 +100,7 @@ class Evaluator:
         self._inference = inference
         self.train_nodes = data.train_mask.nonzero().view(-1)
         self._kept_mix: tuple[StateDict, Tensor] | None = None  # the weights an alpha search kept, their first layer
+        self._fold: Tensor | None = None  # the validation nodes scored, as positions among them (None: all)
 
     @cached_property
     def inference(self) -> LayerwiseInference:
@@ -117,6 +119,29 @@ class Evaluator:
         if self._samples():
             return min(total, VALIDATION_SAMPLE), total
         return total, total
+
+    def folds(self, seed: int) -> tuple[Tensor, Tensor]:
+        """Two seeded halves of the validation nodes :meth:`validation` scores (positions among them), for a
+        cross-fitted choice: what is chosen on one half is judged on the other."""
+        count = self.validation_nodes()[0]
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        return order[: count // 2].sort().values, order[count // 2:].sort().values
+
+    @contextmanager
+    def scoring_on(self, fold: Tensor) -> Iterator[None]:
+        """Inside, :meth:`validation` and the mixes of :meth:`interpolation` score ``fold``'s validation nodes only
+        (positions among those scored, from :meth:`folds`)."""
+        previous, self._fold = self._fold, fold
+        try:
+            yield
+        finally:
+            self._fold = previous
+
+    def _val_metrics(self, logits: Tensor, y: Tensor) -> Metrics:
+        """Metrics of the scored validation nodes' ``logits`` and labels, on the current fold's alone when set."""
+        if self._fold is not None:
+            logits, y = logits[self._fold], y[self._fold]
+        return metrics(logits, y)
 
     def _samples(self) -> bool:
         return self.layerwise and supports(self.model) and not self._recomputes()
@@ -192,11 +217,12 @@ class Evaluator:
         sampled validation nodes for GCN/SAGE without batch norm to recompute, else on all of them)."""
         if self._samples():
             self.model.load_state_dict(state)
-            return metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
+            return self._val_metrics(self.val_targets.logits(self.model), self.data.y[self.val_targets.targets])
         if self.layerwise:
-            return self.split(state, "val_mask")
+            mask = self.data.val_mask
+            return self._val_metrics(self.full_logits(state)[mask], self.data.y[mask])
         inputs, y, where = self.val
-        return metrics(self.logits(state, inputs)[where], y)
+        return self._val_metrics(self.logits(state, inputs)[where], y)
 
     def validation_from(self, logits: Tensor) -> Metrics | None:
         """The figure :meth:`validation` gives for the weights whose :meth:`full_logits` these are, read from them where
@@ -204,10 +230,10 @@ class Evaluator:
         ``None`` (a small graph's validation neighbourhood is scored apart)."""
         if self._samples():
             targets = self.val_targets.targets
-            return metrics(logits[targets], self.data.y[targets])
+            return self._val_metrics(logits[targets], self.data.y[targets])
         if self.layerwise:
             mask = self.data.val_mask
-            return metrics(logits[mask], self.data.y[mask])
+            return self._val_metrics(logits[mask], self.data.y[mask])
         return None
 
     def interpolation(self, soup: StateDict, ingredient: StateDict) -> Mixes:
@@ -231,7 +257,7 @@ class Evaluator:
 
         def score(alpha: float) -> Metrics:
             self.model.load_state_dict(interpolate(soup, ingredient, alpha))
-            return metrics(targets.logits(self.model, torch.lerp(ends[0], ends[1], alpha, out=mixed)), y)
+            return self._val_metrics(targets.logits(self.model, torch.lerp(ends[0], ends[1], alpha, out=mixed)), y)
 
         def weights(alpha: float) -> StateDict:
             state = interpolate(soup, ingredient, alpha)

@@ -49,6 +49,7 @@ from ladle.nn.saved import (
 from ladle.nn.scoring import Metrics
 from ladle.nn.target_nodes import accuracy_stderr
 from ladle.soup.basin import barrier, ingredient_distances, path_barriers
+from ladle.soup.crossfit import cross_fitted
 from ladle.soup.evaluator import LAYERWISE_NODES, Evaluator, Mixes, SoupResult
 from ladle.soup.methods import (
     ALL_METHODS,
@@ -107,8 +108,10 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                           inference=inference, recompute_bn=recompute, model_class=model)
     expected = expected_shapes(run, model)
     trunk = _reference_weights(files, TRUNK, expected)
-    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None), desc="soup scoring",
-               unit="candidate", dynamic_ncols=True, disable=None)
+    # the best soup's choice reads a cross-fitted figure where validation is a few nodes (below the layer-wise size)
+    choosable = [] if evaluator.layerwise else [m for m in methods if not m.fitted]
+    bar = tqdm(total=planned_scorings(methods, len(bundle.states), grid, fast, trunk is not None, choosable),
+               desc="soup scoring", unit="candidate", dynamic_ncols=True, disable=None)
 
     def score(state: StateDict) -> Metrics:
         bar.update(1)
@@ -149,12 +152,16 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         result = soup_method(inputs)
         result.seconds = time.perf_counter() - began
         soups.append(result)
+    began = time.perf_counter()
+    held_out = cross_fitted(choosable, inputs, evaluator) if choosable else {}
+    cross_fit_seconds = time.perf_counter() - began
     bar.total = bar.n  # the fast alpha search may skip points it already scored
     bar.close()
 
     references = _references(files, logit_sum / len(bundle.states), trunk, evaluator, expected)
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
-    soup_rows = [_soup_row(result, evaluator, bundle.names, settings) for result in soups]
+    soup_rows = [_soup_row(result, evaluator, bundle.names, settings, held_out.get(result.method))
+                 for result in soups]
     start = trunk if trunk is not None else check_weights(files.init, expected)
     path = [(bundle.names[i], bundle.states[i]) for i in order]  # greedy interpolation's: trunk first, then best-first
     basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], start,
@@ -171,7 +178,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                                                                  "best ingredient": best_ingredient}),
         "validation": _validation(evaluator, rows),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
-        "soup_seconds": setup_seconds + sum(s.seconds for s in soups), "soup_threads": torch.get_num_threads(),
+        "soup_seconds": setup_seconds + sum(s.seconds for s in soups) + cross_fit_seconds,
+        "cross_fit_seconds": cross_fit_seconds, "soup_threads": torch.get_num_threads(),
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
         "ingredient_core_seconds": sum(m.get("train_seconds", 0.0) * m.get("threads", 1) for m in bundle.metas),
         "scaled": scaled,
@@ -238,16 +246,23 @@ def _validation(evaluator: Evaluator, rows: list[dict[str, Any]]) -> dict[str, A
     return {"nodes": used, "of": total, "stderr": accuracy_stderr(best, used) if used < total else 0.0}
 
 
-def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fast: bool, trunk: bool = False) -> int:
+def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fast: bool, trunk: bool = False,
+                     cross_fitted_methods: list[SoupMethod] | None = None) -> int:
     """Validation scorings of the K ingredients and the trunk when the run has one, then of each method's candidates
-    (at most, for the fast alpha search) over them, the trunk first."""
+    (at most, for the fast alpha search) over them, the trunk first; then, for ``cross_fitted_methods``, the same on
+    each half of the validation nodes and each soup made on one half scored on the other."""
     candidates = ingredients + int(trunk)
-    return candidates + sum(m.scorings(candidates, grid, fast) for m in methods)
+    planned = candidates + sum(m.scorings(candidates, grid, fast) for m in methods)
+    again = cross_fitted_methods or []
+    if again:
+        planned += 2 * (candidates + sum(m.scorings(candidates, grid, fast) for m in again))
+    return planned
 
 
-def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str],
-              settings: dict[str, Any]) -> dict[str, Any]:
-    """A soup's report row, scored on whole splits; its batch-norm statistics recomputed first (in place)."""
+def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str], settings: dict[str, Any],
+              held_out: Metrics | None = None) -> dict[str, Any]:
+    """A soup's report row, scored on whole splits, with its cross-fitted validation figure when ``held_out`` is
+    given (:mod:`ladle.soup.crossfit`); its batch-norm statistics recomputed first (in place)."""
     logits = evaluator.full_logits(result.state)  # one pass; batch-norm statistics recomputed first
     if evaluator.recompute_bn and evaluator.model.has_batch_norm():
         result.state = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
@@ -255,7 +270,8 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str],
             **evaluator.split_metrics(logits), "evaluations": result.evaluations,
             "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas,
             "curves": result.curves,
-            "seconds": result.seconds, **settings, **result.report_fields()}
+            "seconds": result.seconds, **settings, **result.report_fields(),
+            **({} if held_out is None else {"held_out_val_acc": held_out.acc, "held_out_val_loss": held_out.loss})}
 
 
 def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]], start: StateDict,
@@ -312,17 +328,23 @@ def _references(files: RunDir, ensemble: Tensor, trunk: StateDict | None, evalua
 
 def parallel_phase(soup_rows: list[dict[str, Any]], references: list[dict[str, Any]],
                    ingredients: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """What the K branches added: the best soup by validation accuracy (then loss) against the trunk, the
+    """What the K branches added: the best soup (by validation accuracy, then loss) against the trunk, the
     trunk continued, the baseline and ``ingredients``' summaries (the mean ingredient, what one worker gives in
     expectation, and the best-validation one, which a user could simply keep), in test points. Soups fitted on
-    validation nodes (the learned ones) are left out of the choice: their validation figure is not a fair one."""
+    validation nodes (the learned ones) are left out of the choice: their validation figure is not a fair one.
+    Where the rows have their cross-fitted figure (``held_out_val_acc``), the choice reads it: the others' choices
+    were made on the nodes that judge them. ``by_validation``: the soup the plain validation figure would choose."""
     fitted = sorted(row["name"] for row in soup_rows if SOUPS[row["method"]].fitted)
     candidates = [row for row in soup_rows if row["name"] not in fitted]
     if not candidates:
         return None
-    best = max(candidates, key=lambda row: (row["val_acc"], -row["val_loss"]))
+    held_out = all("held_out_val_acc" in row for row in candidates)
+    by_validation = max(candidates, key=lambda row: (row["val_acc"], -row["val_loss"]))
+    best = max(candidates, key=lambda row: (row["held_out_val_acc"], -row["held_out_val_loss"])) if held_out \
+        else by_validation
     against = {ref["name"]: ref for ref in references if ref["name"] in (TRUNK, CONTINUED, BASELINE)}
     against |= ingredients or {}
     gains = {name: 100 * (best["test_acc"] - reference["test_acc"]) for name, reference in against.items()}
     return {"best_soup": best["name"], "val_acc": best["val_acc"], "test_acc": best["test_acc"],
-            "gain_points": gains, "left_out": fitted}
+            "gain_points": gains, "left_out": fitted, "chosen_by": "cross-fitted validation" if held_out
+            else "validation", "by_validation": {"name": by_validation["name"], "test_acc": by_validation["test_acc"]}}

@@ -26,6 +26,8 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
     rows.append(("mean ingredient", mean["val_acc"], mean["test_acc"], ""))
     for soup in report["soups"]:
         note = f"{soup['evaluations']} evals, kept {len(soup['kept'])}"
+        if "held_out_val_acc" in soup:
+            note += f", held-out val {soup['held_out_val_acc']:.4f}"
         if soup["alphas"]:
             note += ", alphas " + " ".join(f"{a:.2f}" for a in soup["alphas"])
         rows.append((soup["name"], soup["val_acc"], soup["test_acc"], note))
@@ -48,7 +50,7 @@ def parallel_line(report: dict[str, Any]) -> str:
     if "mean ingredient" in gains:
         line += (f", {gains['mean ingredient']:+.1f} over the mean branch, {gains['best ingredient']:+.1f} over the "
                  "best-validation branch")
-    line += f" (test, best soup by validation: {phase['best_soup']}, {phase['test_acc']:.4f}"
+    line += f" (test, best soup by {phase['chosen_by']}: {phase['best_soup']}, {phase['test_acc']:.4f}"
     if phase["left_out"]:
         line += f"; {', '.join(phase['left_out'])} left out of that choice: fitted on validation nodes"
     return line + ")"
