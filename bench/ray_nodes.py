@@ -121,8 +121,9 @@ def training_pid(raylet: int) -> int | None:
 
 
 def kill_node_while_training(train: subprocess.Popen, node_manager_port: int, timeout: float = 120) -> int:
-    """Wait until the node of ``node_manager_port`` trains an ingredient for ``train``, then SIGKILL its raylet
-    (its workers go with it); return the pid of the worker that was training there."""
+    """Wait until the node of ``node_manager_port`` trains an ingredient for ``train``, then SIGKILL its workers and
+    its raylet at once, as a machine that dies takes them all (a raylet killed alone leaves its workers to notice a
+    moment later, long enough to finish a short ingredient); return the pid of the worker that was training there."""
     raylet = raylet_pid(node_manager_port)
     if raylet is None:
         raise RuntimeError("the second node's raylet is not running")
@@ -133,7 +134,9 @@ def kill_node_while_training(train: subprocess.Popen, node_manager_port: int, ti
     if victim is None:
         raise RuntimeError("no ingredient ever ran on the second node")
     time.sleep(1)  # into its epochs
-    os.kill(raylet, signal.SIGKILL)
+    for pid in [pid for pid, parent, _ in _processes() if parent == raylet] + [raylet]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return victim
 
 
