@@ -250,7 +250,7 @@ def planned_scorings(methods: list[SoupMethod], ingredients: int, grid: int, fas
                      cross_fitted_methods: list[SoupMethod] | None = None) -> int:
     """Validation scorings of the K ingredients and the trunk when the run has one, then of each method's candidates
     (at most, for the fast alpha search) over them, the trunk first; then, for ``cross_fitted_methods``, the same on
-    each half of the validation nodes and each soup made on one half scored on the other."""
+    each half of the validation nodes (the soups' scorings on the other half are not counted)."""
     candidates = ingredients + int(trunk)
     planned = candidates + sum(m.scorings(candidates, grid, fast) for m in methods)
     again = cross_fitted_methods or []
