@@ -15,7 +15,7 @@ Optional attributes are absent unless the view needs them (read them with ``batc
   the training loss is ``(ce * loss_weight)[loss_mask].sum()``, an unbiased estimate of the
   full-graph mean training loss; without it the loss is ``ce[loss_mask].mean()``.
 * ``edge_weight`` (float per edge, GraphSAINT's :math:`1 / \\alpha_{u,v} = p_v / p_{u,v}` for an edge
-  ``u -> v``): the model multiplies its normalised adjacency entry of that edge by it.
+  ``u -> v``): the model multiplies the batch's normalised adjacency entry of that edge by it.
 * ``degree`` (int per node, partition views with a halo): in-degree in the whole graph, which the
   model normalises with, so owned nodes aggregate exactly as on the whole graph.
 
@@ -234,7 +234,7 @@ class ClusterView(IngredientView):
 
 
 class SaintView(IngredientView):
-    """GraphSAINT (Zeng et al., 2020): induced subgraphs of sampled nodes, normalised to be unbiased.
+    """GraphSAINT (Zeng et al., 2020): induced subgraphs of sampled nodes, with its loss and aggregator weights.
 
     Samplers: ``saint-node`` draws ``batch_size`` nodes with replacement, :math:`p_v \\propto \\deg(v) + 1`
     (degree in :math:`A + I`); ``saint-edge`` draws ``batch_size`` undirected edges without replacement,
@@ -248,6 +248,11 @@ class SaintView(IngredientView):
     aggregating node ``v`` (PyG uses the source's :math:`C_u`), and counts never observed in
     pre-sampling are taken as 1 rather than giving ``C_v / 0`` clipped to 1e4 (with the default
     coverage that put weight 1e4 on 0.4% of the node sampler's edges on Cora), so every weight is >= 1.
+    A third, measured: ``edge_weight`` scales the batch's own normalised adjacency (degrees counted in the
+    subgraph), not the whole graph's as in the paper, so a node's aggregation in a batch is on average 1.6-2.0x
+    its whole-graph value on Cora. The paper's form (batches carrying whole-graph degrees) made the default
+    recipe's 10-epoch trunk weaker and its soups lower on CiteSeer (bench/RESULTS.md, *GraphSAINT batches
+    normalised with whole-graph degrees*); it waits for a trunk chosen under it.
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
