@@ -251,8 +251,8 @@ class SaintView(IngredientView):
     A third, measured: ``edge_weight`` scales the batch's own normalised adjacency (degrees counted in the
     subgraph), not the whole graph's as in the paper, so a node's aggregation in a batch is on average 1.6-2.0x
     its whole-graph value on Cora. The paper's form (batches carrying whole-graph degrees) made the default
-    recipe's 10-epoch trunk weaker and its soups lower on CiteSeer (bench/RESULTS.md, *The shipped recipes on
-    four graphs never used here; GraphSAINT's aggregator normalisation*); it waits for a trunk chosen under it.
+    recipe's soups lower on CiteSeer, behind a 10- or a 30-epoch trunk (bench/RESULTS.md, *The shipped recipes on
+    four graphs never used here; GraphSAINT's aggregator normalisation*), so it is not used.
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
