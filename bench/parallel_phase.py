@@ -59,8 +59,12 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
                 "best soup": 100 * phase["test_acc"]}
     if "by_validation" in phase:
         figures["best soup, plain validation"] = 100 * phase["by_validation"]["test_acc"]
+    validation = {name: 100 * ref["val_acc"] for name, ref in references.items()}
+    validation |= {"mean ingredient": 100 * report["mean_ingredient"]["val_acc"],
+                   "best ingredient": 100 * report["best_ingredient"]["val_acc"], "best soup": 100 * phase["val_acc"]}
     return {"recipe": recipe, "dataset": dataset, "seed": seed, "ingredients": ingredients, "overrides": extra,
-            "test": figures, "best_soup": phase["best_soup"], "gain_points": phase["gain_points"],
+            "test": figures, "validation": validation, "view_fallback": report.get("view_fallback"),
+            "best_soup": phase["best_soup"], "gain_points": phase["gain_points"],
             "chosen_by": phase.get("chosen_by", "validation"),
             "by_validation": phase.get("by_validation", {}).get("name", phase["best_soup"]),
             "max_barrier": report["basin"]["max_barrier"], "max_test_barrier": report["basin"].get("max_test_barrier"),

@@ -363,6 +363,7 @@ VIEW_KINDS = ("full", "metis", "random", "cluster", "saint-node", "saint-edge", 
 PARTITION_KINDS = ("metis", "random")
 SAINT_KINDS = ("saint-node", "saint-edge", "saint-rw")
 SAMPLERS = ("ladle", "pyg")
+FALLBACKS = ("full", "none")  # what the launcher trains when a view failed (ladle.train.view_check)
 BALANCE_KINDS = ("none", "labels")
 
 
@@ -381,6 +382,7 @@ class ViewConfig:
     balance: str = "none"  # metis: "labels" balances each class's train labels across parts
     halo: int = 0  # metis/random: hops of read-only neighbourhood each part also stores (loss on its own nodes)
     sampler: str = "ladle"  # who draws cluster/saint/neighbor batches: ladle, or PyG's loaders (ladle.graph.pyg_views)
+    fallback: str = "full"  # with a baseline, a view that failed on the graph is trained again on: full, or none
 
     def __post_init__(self) -> None:
         if self.kind not in VIEW_KINDS:
@@ -397,6 +399,7 @@ class ViewConfig:
         if not self.fanout or min(self.fanout) < 1:
             raise ValueError(f"view.fanout must be a non-empty list of integers >= 1, got {list(self.fanout)}")
         _check_choice("view.balance", self.balance, BALANCE_KINDS)
+        _check_choice("view.fallback", self.fallback, FALLBACKS)
         if self.balance != "none" and self.kind != "metis":
             raise ValueError(f"view.balance={self.balance} applies to view.kind=metis, not {self.kind}")
         if self.halo < 0:

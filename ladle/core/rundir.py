@@ -159,6 +159,12 @@ class RunDir:
         return sorted(self.path.glob("metrics-*.csv"))
 
     @property
+    def failed_view(self) -> Path:
+        """Where the models of a view that failed on the graph are kept when the launcher trains them again on the
+        whole graph (:mod:`ladle.train.view_check`)."""
+        return self.path / "failed-view"
+
+    @property
     def tensorboard(self) -> Path:
         """TensorBoard event files, one folder per curve (``--log tensorboard``)."""
         return self.path / "tensorboard-logs"
@@ -365,7 +371,7 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
     existing = read_json(files.run_json)
     differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"
                    for key in ("ingredients", "init", "baseline") if existing.get(key) != run[key]]
-    recipe = recipe_difference(run["recipe"], existing.get("recipe", {}))
+    recipe = recipe_difference(run["recipe"], asked_recipe(existing))
     differences += [recipe] if recipe else []
     if differences:
         raise LadleError(f"run directory {run_dir} already holds another run ({'; '.join(differences)}): "
@@ -406,11 +412,17 @@ def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
                      for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key))
 
 
+def asked_recipe(run: dict[str, Any]) -> dict[str, Any]:
+    """The recipe a run was started with: ``run.json``'s, or, where the launcher trained on the whole graph instead
+    of a view that failed (:mod:`ladle.train.view_check`), the one recorded before it did."""
+    return run.get("asked_recipe", run.get("recipe", {}))
+
+
 def run_difference(run: dict[str, Any], recipe: Recipe | None, flags: dict[str, tuple[Any, Any]]) -> str:
     """'' when ``recipe`` (None: not given) and each flag's given value (None: not given) agree with the
     recorded ones of ``run`` (its ``run.json``); else each difference: ``hidden 32, run.json 64; --ingredients 5,
     run.json 2``."""
-    differences = [recipe_difference(recipe.to_dict(), run["recipe"])] if recipe is not None else []
+    differences = [recipe_difference(recipe.to_dict(), asked_recipe(run))] if recipe is not None else []
     differences += [f"{flag} {given!r}, run.json {recorded!r}" for flag, (given, recorded) in flags.items()
                     if given is not None and given != recorded]
     return "; ".join(text for text in differences if text)

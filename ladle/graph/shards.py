@@ -240,8 +240,13 @@ def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None 
     the ``graph`` given in memory (:func:`~ladle.graph.given.user_graph`, :func:`graph_identity`)."""
     identity = dataset_identity(recipe.dataset, data_root) if graph is None else graph_identity(graph)
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
-            "features": recipe.features, "view": recipe.to_dict()["view"], "ingredients": ingredients,
+            "features": recipe.features, "view": _shard_view(recipe), "ingredients": ingredients,
             "seed": recipe.seed, "data": identity}
+
+
+def _shard_view(recipe: Recipe) -> dict[str, Any]:
+    """The view's settings that shape its shards (what the launcher does when it fails does not)."""
+    return {key: value for key, value in recipe.to_dict()["view"].items() if key != "fallback"}
 
 
 def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,

@@ -184,6 +184,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "ingredient_core_seconds": sum(m.get("train_seconds", 0.0) * m.get("threads", 1) for m in bundle.metas),
         "scaled": scaled,
         "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
+        "view_fallback": run.get("view_fallback"),
         "baseline_in_trunk_epochs": baseline_in_trunk_epochs(files, run.get("trunk")),
         "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
                   for m in bundle.metas],

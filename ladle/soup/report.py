@@ -80,8 +80,8 @@ def trunk_line(report: dict[str, Any]) -> str:
         line += f"the trunk validates {trunk_gap:.1f} points below the full-graph baseline in the same {epochs} epochs; "
     if failed:
         return line + (f"{view} failed on this graph: the trunk continued on it validates {gaps[0]:.1f} points below "
-                       f"the baseline, the best soup {gaps[1]:.1f}; where one worker holds the whole graph, "
-                       "view.kind=full avoids it")
+                       f"the baseline, the best soup {gaps[1]:.1f}" + ("" if view == "full" else "; where one worker "
+                       "holds the whole graph, view.kind=full avoids it"))
     if continued is None:
         return line + f"no trunk continued tells whether {view} failed on this graph"
     return line + (f"continued on {view} it validates {_relative(gaps[0])} the baseline"
@@ -94,9 +94,19 @@ def _relative(points_below: float) -> str:
     return f"{abs(points_below):.1f} points {'below' if points_below > 0 else 'above'}"
 
 
+def fallback_line(report: dict[str, Any]) -> str:
+    """What the launcher did when the asked view failed on the graph (:mod:`ladle.train.view_check`), or ''."""
+    failure = report.get("view_fallback")
+    if not failure:
+        return ""
+    return (f"{failure['view']} failed on this graph ({failure['best']} on it validated {failure['gap_points']:.1f} "
+            f"points below the full-graph baseline): the launcher trained the trunk and the branches again on the "
+            f"whole graph, and these are their soups (the first ones are in failed-view/)")
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned plain-text table."""
-    lines = [line for line in (parallel_line(report), trunk_line(report)) if line]
+    lines = [line for line in (parallel_line(report), fallback_line(report), trunk_line(report)) if line]
     lines.append(f"{'model':<24}{'val':>8}{'test':>8}  note")
     lines += [f"{name:<24}{val:>8.4f}{test:>8.4f}  {note}" for name, val, test, note in table_rows(report)]
     if report.get("missing"):
@@ -154,6 +164,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"# Soup report: {report['dataset']} / {report['model']} / view {report['view']}",
         "",
         *([parallel_line(report)[0].upper() + parallel_line(report)[1:] + ".", ""] if parallel_line(report) else []),
+        *([f"**{fallback_line(report)}.**", ""] if fallback_line(report) else []),
         *([f"**{trunk_line(report)}.**", ""] if trunk_line(report) else []),
         f"init {report['init']}, metric {report['metric']}, batch-norm recompute {report['recompute_bn']}, "
         f"{time_line(report)}",

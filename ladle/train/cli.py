@@ -23,6 +23,7 @@ from ladle.core.recipe_files import recipe_names
 from ladle.core.rundir import (
     AVERAGED,
     RunDir,
+    asked_recipe,
     averaging_run_dir,
     check_free,
     lock_run_dir,
@@ -138,7 +139,7 @@ def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
     if args.recipe is not None:
         recipe = recipe_from_args(args)
     elif args.overrides or args.seed is not None:
-        recipe = override_recipe(run["recipe"], [*args.overrides, *([f"seed={args.seed}"] if args.seed is not None else [])])
+        recipe = override_recipe(asked_recipe(run), [*args.overrides, *([f"seed={args.seed}"] if args.seed is not None else [])])
     contradictions = run_difference(run, recipe, {
         "--ingredients": (args.ingredients, run["ingredients"]), "init": (args.init, run["init"]),
         "--baseline": (args.baseline, bool(run.get("baseline"))),

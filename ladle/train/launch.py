@@ -14,8 +14,9 @@ import datetime as dt
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from ladle.soup.methods import chosen_methods
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import SAVE_EVERY, IngredientTask, RunSpec
+from ladle.train.view_check import fallback_recipe, view_failure
 from ladle.train.worker import run_task, start_worker
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class RunResult:
     """What a finished run left: its folder and each ingredient's metadata, and the trunk's, the trunk
-    continued's and the baseline's when it has them."""
+    continued's and the baseline's when it has them; ``view_fallback``: why its view was left for the whole graph
+    (:mod:`ladle.train.view_check`), if it was."""
 
     run_dir: Path
     ingredients: list[dict[str, Any]]
@@ -72,6 +75,7 @@ class RunResult:
     failed: list[str] = field(default_factory=list)
     trunk: dict[str, Any] | None = None
     continued: dict[str, Any] | None = None
+    view_fallback: dict[str, Any] | None = None
 
     def summary_table(self) -> str:
         """A plain-text table of every model: val/test accuracy, epochs, time, memory."""
@@ -83,6 +87,11 @@ class RunResult:
                 f"{meta['val_acc']:>8.4f}{meta['test_acc']:>8.4f}{meta['train_seconds']:>8.1f}{meta['peak_rss_mb']:>9.0f}"
             )
         lines.extend(f"{name:<15}FAILED" for name in self.failed)
+        if self.view_fallback:
+            failure = self.view_fallback
+            lines.append(f"{failure['view']} failed on this graph ({failure['best']} validated {failure['gap_points']:.1f} "
+                         f"points below the baseline): trunk and branches trained again on the whole graph; the first "
+                         f"ones are in {RunDir(self.run_dir).failed_view.name}/")
         return "\n".join(lines)
 
 
@@ -148,7 +157,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         write_json(files.run_json, run_meta)
         if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
             update_latest(checkpoints_root, run_path)
-        return _execute(run_path, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads)
+        return _execute(run_path, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads,
+                        given)
 
 
 def _check_creatable(run_path: Path) -> None:
@@ -190,7 +200,7 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
             prepare_shards(spec.recipe, spec.ingredients, data_root, graph=given).link(run_path)
         return _execute(run_path, run_meta, spec, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
-                        ray_options)
+                        ray_options, graph=given)
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
@@ -206,10 +216,36 @@ def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
 
 def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: list[IngredientTask], workers: int,
              data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
-             threads: int | None = None) -> RunResult:
-    files, recipe = RunDir(run_path), spec.recipe
-    pool = (LocalPool(recipe, files.shards, workers, device, threads or max(1, available_cores() // workers))
-            if backend == "local" else None)
+             threads: int | None = None, graph: Data | None = None) -> RunResult:
+    files = RunDir(run_path)
+    threads = threads or max(1, available_cores() // workers)
+
+    def train(spec: RunSpec, tasks: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        return _train(files, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads)
+
+    results, failed = train(spec, tasks)
+    metas = _finished(files, spec, results)
+    failure = None if failed or not spec.baseline else view_failure(spec.recipe, metas)
+    if failure is not None:  # one worker holds the whole graph (the baseline did): train the rest again on it
+        spec = _fall_back(files, run_meta, spec, failure, data_root, graph)
+        results, failed = train(spec, [task for task in spec.tasks(run_path) if task.role != BASELINE])
+        metas = _finished(files, spec, results)
+    run_meta["status"] = "failed" if failed else "done"
+    run_meta["failed"] = sorted(failed)
+    write_json(files.run_json, run_meta)
+    merge_metrics(run_path)
+    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK, CONTINUED)]
+    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK), metas.get(CONTINUED),
+                     run_meta.get("view_fallback"))
+
+
+def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[IngredientTask], workers: int,
+           data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
+           threads: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Train the trunk when the recipe has one and it is not finished (beside the baseline, which needs none), then
+    ``tasks``; return (metadata by name, error by name of those that failed), a failed task's metadata written."""
+    recipe = spec.recipe
+    pool = LocalPool(recipe, files.shards, workers, device, threads) if backend == "local" else None
 
     def run(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         if not batch:
@@ -220,7 +256,7 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
 
     results, failed, scheduled = {}, {}, list(tasks)
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
-        trunk = spec.trunk_task(run_path)  # once, before the branches; the baseline needs no trunk, so beside it
+        trunk = spec.trunk_task(files.path)  # once, before the branches; the baseline needs no trunk, so beside it
         first = [trunk, *(task for task in tasks if task.role == BASELINE)]
         tasks = [task for task in tasks if task.role != BASELINE]
         scheduled.append(trunk)
@@ -236,17 +272,42 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
         if task.name in failed:
             write_json(files.meta(task.name),
                        {"name": task.name, "k": task.k, "status": "failed", "error": failed[task.name]})
+    return results, failed
+
+
+def _finished(files: RunDir, spec: RunSpec, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The metadata of every finished model of the run by name (the trunk's too), ``results`` over what is on disk."""
     metas = {task.name: read_json(files.meta(task.name))
-             for task in spec.tasks(run_path) if files.finished(task.name)}
+             for task in spec.tasks(files.path) if files.finished(task.name)}
     if files.finished(TRUNK):
         metas[TRUNK] = read_json(files.meta(TRUNK))
-    metas.update(results)
-    run_meta["status"] = "failed" if failed else "done"
-    run_meta["failed"] = sorted(failed)
+    return metas | results
+
+
+def _fall_back(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, failure: dict[str, Any],
+               data_root: str | None, graph: Data | None) -> RunSpec:
+    """Record that the run's view failed (``run.json``: ``view_fallback``, the recipe now trained, and the one asked
+    for in ``asked_recipe``), move the models trained on it to :attr:`RunDir.failed_view`, link the run to the
+    shards of the whole-graph recipe, and return the spec that trains the trunk and the branches on it."""
+    log.warning("%s failed on this graph: the best model on it (%s) validates %.1f points below the full-graph "
+                "baseline; training the trunk and the branches again on the whole graph (the first ones are kept in "
+                "%s)", failure["view"], failure["best"], failure["gap_points"], files.failed_view)
+    merge_metrics(files.path)
+    files.failed_view.mkdir(exist_ok=True)
+    if files.metrics.is_file():
+        shutil.copy2(files.metrics, files.failed_view / files.metrics.name)
+    for name in (TRUNK, *(task.name for task in spec.tasks(files.path) if task.role != BASELINE)):
+        for path in (files.weights(name), files.meta(name)):
+            if path.exists():
+                os.replace(path, files.failed_view / path.name)
+    recipe = fallback_recipe(spec.recipe)
+    shards = prepare_shards(recipe, spec.ingredients, data_root, graph=graph)  # the whole graph's alone, cached
+    shards.link(files.path)
+    run_meta.pop("trunk", None)
+    run_meta.update(asked_recipe=run_meta["recipe"], recipe=recipe.to_dict(), view_fallback=failure,
+                    shards=shards.meta["key"])
     write_json(files.run_json, run_meta)
-    merge_metrics(run_path)
-    ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK, CONTINUED)]
-    return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK), metas.get(CONTINUED))
+    return replace(spec, recipe=recipe)
 
 
 def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
