@@ -2,10 +2,10 @@
 
 A view fails when every model trained on it and scored on the whole graph (the trunk continued, and the branches of
 a view that is not a partition) validates more than :data:`VIEW_GAP_POINTS` below the run's full-graph baseline:
-then no soup of them can be expected to reach it (a soup gains about a point over the best-validation branch, see
-bench/RESULTS.md). The trunk is not counted: a short trunk is far below by design. A run with a baseline has shown
-that one worker holds the whole graph, so the launcher then trains the trunk and the branches again on it (view
-``full``, the trunk too), and keeps the first ones aside.
+then no soup of them can be expected to reach it (a soup gains under a point over its best-validation branch on
+average, bench/RESULTS.md). The trunk is not counted: a short trunk is far below by design. A run with a baseline
+has shown that one worker holds the whole graph, so the launcher then trains the trunk and the branches again on it
+(view ``full``, the trunk too), and keeps the first ones aside.
 """
 from __future__ import annotations
 
