@@ -235,18 +235,14 @@ def load_shard(path: Path, edge_index: bool = True) -> Shard:
 
 def shard_inputs(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
                  graph: Data | None = None) -> dict[str, Any]:
-    """What a run's shards depend on (and nothing else: ``lr`` or ``epochs`` do not change them), with the
+    """What a run's shards depend on (nothing else: ``lr``, ``epochs``, ``view.fallback`` do not change them), with the
     identity of the dataset's files under ``data_root`` (:func:`~ladle.graph.datasets.dataset_identity`), or of
     the ``graph`` given in memory (:func:`~ladle.graph.given.user_graph`, :func:`graph_identity`)."""
     identity = dataset_identity(recipe.dataset, data_root) if graph is None else graph_identity(graph)
     return {"format": SHARD_FORMAT, "dataset": recipe.dataset.lower(), "split": recipe.split,
-            "features": recipe.features, "view": _shard_view(recipe), "ingredients": ingredients,
+            "features": recipe.features, "ingredients": ingredients,
+            "view": {key: value for key, value in recipe.to_dict()["view"].items() if key != "fallback"},
             "seed": recipe.seed, "data": identity}
-
-
-def _shard_view(recipe: Recipe) -> dict[str, Any]:
-    """The view's settings that shape its shards (what the launcher does when it fails does not)."""
-    return {key: value for key, value in recipe.to_dict()["view"].items() if key != "fallback"}
 
 
 def shard_key(recipe: Recipe, ingredients: int, data_root: str | Path | None = None,
