@@ -41,6 +41,7 @@ BASELINE = "baseline"
 AVERAGED = "averaged"
 TRUNK = "trunk"
 CONTINUED = "trunk-continued"  # the trunk trained on for the branches' epochs: the parallel phase's counterfactual
+FAILED_VIEW = "failed-view"  # the folder of a run's models on a view that failed (ladle.train.view_check)
 
 
 def ingredient_name(k: int) -> str:
@@ -162,7 +163,7 @@ class RunDir:
     def failed_view(self) -> Path:
         """Where the models of a view that failed on the graph are kept when the launcher trains them again on the
         whole graph (:mod:`ladle.train.view_check`)."""
-        return self.path / "failed-view"
+        return self.path / FAILED_VIEW
 
     @property
     def tensorboard(self) -> Path:

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ladle.core.rundir import RunDir
+from ladle.core.rundir import FAILED_VIEW, RunDir
 from ladle.core.storage import atomic_open, save_figure, write_json
 
 log = logging.getLogger(__name__)
@@ -70,22 +70,22 @@ def trunk_line(report: dict[str, Any]) -> str:
     view, epochs = summary.get("view", {}).get("kind", "its view"), summary.get("epochs_run")
     baseline_then = report.get("baseline_in_trunk_epochs")
     trunk_gap = None if baseline_then is None else 100 * (baseline_then - trunk["val_acc"])
-    continued, phase = refs.get("trunk-continued"), report.get("parallel_phase")
-    gaps = [100 * (baseline["val_acc"] - model["val_acc"]) for model in (continued, phase) if model]
-    failed = len(gaps) == 2 and min(gaps) > TRUNK_GAP_POINTS
+    continued, soup = (None if model is None else 100 * (baseline["val_acc"] - model["val_acc"])
+                       for model in (refs.get("trunk-continued"), report.get("parallel_phase")))
+    failed = continued is not None and soup is not None and min(continued, soup) > TRUNK_GAP_POINTS
     if not failed and (trunk_gap is None or trunk_gap <= TRUNK_GAP_POINTS):
         return ""
     line = "warning: "
     if trunk_gap is not None and trunk_gap > TRUNK_GAP_POINTS:
         line += f"the trunk validates {trunk_gap:.1f} points below the full-graph baseline in the same {epochs} epochs; "
     if failed:
-        return line + (f"{view} failed on this graph: the trunk continued on it validates {gaps[0]:.1f} points below "
-                       f"the baseline, the best soup {gaps[1]:.1f}" + ("" if view == "full" else "; where one worker "
+        return line + (f"{view} failed on this graph: the trunk continued on it validates {continued:.1f} points below "
+                       f"the baseline, the best soup {soup:.1f}" + ("" if view == "full" else "; where one worker "
                        "holds the whole graph, view.kind=full avoids it"))
     if continued is None:
         return line + f"no trunk continued tells whether {view} failed on this graph"
-    return line + (f"continued on {view} it validates {_relative(gaps[0])} the baseline"
-                   + (f", the best soup {_relative(gaps[1])} it" if len(gaps) == 2 else "") + ": the trunk lags, its "
+    return line + (f"continued on {view} it validates {_relative(continued)} the baseline"
+                   + ("" if soup is None else f", the best soup {_relative(soup)} it") + ": the trunk lags, its "
                    "view did not fail")
 
 
@@ -94,14 +94,18 @@ def _relative(points_below: float) -> str:
     return f"{abs(points_below):.1f} points {'below' if points_below > 0 else 'above'}"
 
 
+def fallback_text(failure: dict[str, Any]) -> str:
+    """What the launcher did when a run's view failed (``run.json``'s ``view_fallback``, :mod:`ladle.train.view_check`):
+    for the run's summary table and the soup report."""
+    return (f"{failure['view']} failed on this graph ({failure['best']} on it validated {failure['gap_points']:.1f} "
+            f"points below the full-graph baseline): the launcher trained the trunk and the branches again on the "
+            f"whole graph (the first ones are in {FAILED_VIEW}/)")
+
+
 def fallback_line(report: dict[str, Any]) -> str:
     """What the launcher did when the asked view failed on the graph (:mod:`ladle.train.view_check`), or ''."""
     failure = report.get("view_fallback")
-    if not failure:
-        return ""
-    return (f"{failure['view']} failed on this graph ({failure['best']} on it validated {failure['gap_points']:.1f} "
-            f"points below the full-graph baseline): the launcher trained the trunk and the branches again on the "
-            f"whole graph, and these are their soups (the first ones are in failed-view/)")
+    return fallback_text(failure) + "; these are their soups" if failure else ""
 
 
 def format_table(report: dict[str, Any]) -> str:

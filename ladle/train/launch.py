@@ -54,6 +54,7 @@ from ladle.nn.saved import (
     verify_finished,
 )
 from ladle.soup.methods import chosen_methods
+from ladle.soup.report import fallback_text
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import SAVE_EVERY, IngredientTask, RunSpec
@@ -88,10 +89,7 @@ class RunResult:
             )
         lines.extend(f"{name:<15}FAILED" for name in self.failed)
         if self.view_fallback:
-            failure = self.view_fallback
-            lines.append(f"{failure['view']} failed on this graph ({failure['best']} validated {failure['gap_points']:.1f} "
-                         f"points below the baseline): trunk and branches trained again on the whole graph; the first "
-                         f"ones are in {RunDir(self.run_dir).failed_view.name}/")
+            lines.append(fallback_text(self.view_fallback))
         return "\n".join(lines)
 
 

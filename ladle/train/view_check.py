@@ -17,16 +17,15 @@ from ladle.core.recipe import Recipe, ViewConfig
 from ladle.core.rundir import BASELINE, TRUNK
 
 VIEW_GAP_POINTS = 2.0  # the best model of a view this far below the baseline on validation: the view failed
-FALLBACK_VIEW = "full"
 
 
 def view_failure(recipe: Recipe, metas: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """What says ``recipe``'s view failed, from the finished models' metadata by name (``view``, the best model on
     it, its and the baseline's validation accuracy, the gap in points), or None: it did not, the view is already
-    ``full``, ``view.fallback`` is ``none``, or nothing on it was scored on the whole graph beside a baseline."""
+    ``view.fallback`` (``full``) or that is ``none``, or nothing on it was scored on the whole graph beside a
+    baseline."""
     baseline = metas.get(BASELINE)
-    if recipe.view.kind == FALLBACK_VIEW or recipe.view.fallback == "none" or baseline is None \
-            or "val_acc" not in baseline:
+    if recipe.view.fallback in ("none", recipe.view.kind) or baseline is None or "val_acc" not in baseline:
         return None
     scored = {name: meta["val_acc"] for name, meta in metas.items()
               if name not in (BASELINE, TRUNK) and meta.get("metrics_on") == "graph" and "val_acc" in meta}
@@ -37,10 +36,10 @@ def view_failure(recipe: Recipe, metas: Mapping[str, Mapping[str, Any]]) -> dict
     if gap <= VIEW_GAP_POINTS:
         return None
     return {"view": recipe.view.kind, "trunk_view": recipe.trunk_view().kind, "best": best,
-            "best_val_acc": scored[best], "baseline_val_acc": baseline["val_acc"], "gap_points": gap,
-            "now": FALLBACK_VIEW}
+            "best_val_acc": scored[best], "baseline_val_acc": baseline["val_acc"], "gap_points": gap}
 
 
 def fallback_recipe(recipe: Recipe) -> Recipe:
-    """``recipe`` with every ingredient and the trunk on the whole graph; all else as it was."""
-    return recipe.replace(view=ViewConfig(kind=FALLBACK_VIEW), trunk=dataclasses.replace(recipe.trunk, view=""))
+    """``recipe`` with every ingredient and the trunk on ``view.fallback`` (the whole graph); all else as it was."""
+    return recipe.replace(view=ViewConfig(kind=recipe.view.fallback), trunk=dataclasses.replace(recipe.trunk, view=""))
+
