@@ -22,6 +22,10 @@ SHARED_DATASETS = PROJECT.parent / "shared" / "datasets"
 # The 0.1 embedded defaults, for tests that train ingredients straight from the shared init: no trunk,
 # 200 epochs, constant learning rate, best-validation weights (the embedded default now has a trunk).
 TRUNKLESS = ("trunk.epochs=0", "epochs=200", "branch.schedule=constant", "branch.keep=best")
+# GraphSAINT walks from one root, one batch an epoch: each step sees three nodes, so nothing on the view learns Cora
+# (the launcher's fallback to the whole graph, ladle.train.view_check, must fire).
+STARVED_VIEW = ("view.kind=saint-rw", "view.batch_size=1", "view.steps_per_epoch=1", "view.sample_coverage=1",
+                "trunk.epochs=2", "epochs=8", "soup.method=uniform")
 
 
 def pytest_configure(config: pytest.Config) -> None:

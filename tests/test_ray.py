@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TRUNKLESS
+from conftest import STARVED_VIEW, TRUNKLESS
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, load_recipe
@@ -141,6 +141,21 @@ def test_nan_loss_is_final(data_root: Path, tmp_path: Path, ray_address: str) ->
     status = read_json(run.run_dir / "ingredient-00.json")
     assert status["status"] == "failed" and status["error"].startswith("FloatingPointError: ")
     assert read_json(run.run_dir / "run.json")["status"] == "failed"
+
+
+def test_a_failed_view_falls_back_through_ray(data_root: Path, tmp_path: Path, ray_address: str) -> None:
+    """The launcher's fallback to the whole graph (:mod:`ladle.train.view_check`) on the Ray backend: the trunk,
+    the trunk continued and the branches are trained again as tasks on the whole graph, the first ones kept aside."""
+    run = train_ingredients(load_recipe(None, list(STARVED_VIEW)), 2, run_dir=tmp_path / "run", data_root=data_root,
+                            baseline=True, backend="ray", ray_options={"address": ray_address, "cpus": 1, "gpus": 0})
+    assert not run.failed and run.view_fallback is not None and run.view_fallback["view"] == "saint-rw"
+    record = read_json(run.run_dir / "run.json")
+    assert record["status"] == "done" and record["recipe"]["view"]["kind"] == "full"
+    for name in ("trunk", "trunk-continued", "ingredient-00", "ingredient-01"):
+        assert read_json(run.run_dir / "failed-view" / f"{name}.json")["view"]["kind"] == "saint-rw"
+        assert read_json(run.run_dir / f"{name}.json")["view"]["kind"] == "full"
+    best_again = max(meta["val_acc"] for meta in (*run.ingredients, run.continued))
+    assert best_again > run.view_fallback["best_val_acc"] + 0.1
 
 
 def test_cuda_needs_gpus(recipe: Recipe) -> None:

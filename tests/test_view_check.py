@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import STARVED_VIEW
 
 from ladle.core.recipe import load_recipe
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, check_same_run, run_difference
@@ -14,9 +15,6 @@ from ladle.soup.report import format_table
 from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.view_check import VIEW_GAP_POINTS, fallback_recipe, view_failure
 
-# GraphSAINT walks from one root, one batch an epoch: each step sees three nodes, so nothing on the view learns Cora.
-STARVED_VIEW = ["view.kind=saint-rw", "view.batch_size=1", "view.steps_per_epoch=1", "view.sample_coverage=1",
-                "trunk.epochs=2", "epochs=8", "soup.method=uniform"]
 
 
 def _meta(val_acc: float, on: str = "graph") -> dict[str, object]:
@@ -43,7 +41,7 @@ def test_a_view_fails_only_when_every_model_scored_on_the_whole_graph_is_far_bel
 
 def test_a_failed_view_is_trained_again_on_the_whole_graph(data_root: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    recipe = load_recipe(None, STARVED_VIEW)
+    recipe = load_recipe(None, list(STARVED_VIEW))
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=run_dir, baseline=True, data_root=data_root,
                             threads=1)
     assert not run.failed and run.view_fallback is not None
