@@ -16,7 +16,6 @@ from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.view_check import VIEW_GAP_POINTS, fallback_recipe, view_failure
 
 
-
 def _meta(val_acc: float, on: str = "graph") -> dict[str, object]:
     return {"val_acc": val_acc, "metrics_on": on}
 
