@@ -15,6 +15,7 @@ from ladle.core.rundir import CONTINUED, TRUNK
 from ladle.core.storage import load_state, save_state
 from ladle.nn.models import build_model
 from ladle.soup.pipeline import soup_run
+from ladle.soup.report import CUT_SHARE, format_table, partition_line
 from ladle.train.launch import train_ingredients
 from ladle.train.loop import MIN_SELECTION_NODES, plan, train_task
 from ladle.train.task import INGREDIENT, IngredientTask
@@ -67,6 +68,23 @@ def test_report_gives_the_barrier_of_every_step_and_the_distances(frozen_run: Pa
             "same path, the largest is 0.0)") in markdown
     assert "| soup | test | mean ingredient | best ingredient | trunk | ensemble |" in markdown
     assert "| trunk (ref) |" in markdown and "distance from trunk" in markdown
+
+
+def test_the_report_gives_the_share_of_edges_the_parts_cut(frozen_run: Path, cora_data) -> None:
+    report = json.loads((frozen_run / "report.json").read_text())
+    parts = load_state(frozen_run / "partition.safetensors")["parts"]
+    src, dst = cora_data.edge_index
+    cut = int((parts[src] != parts[dst]).sum())
+    assert report["partition"] == {"parts": 3, "edges": cora_data.num_edges, "cut_edges": cut, "halo": 0}
+    share = cut / cora_data.num_edges
+    assert f"Partition: the 3 parts cut {share:.0%} of the graph's {cora_data.num_edges:,} edges (halo 0)." in (
+        frozen_run / "report.md").read_text()
+    noted = [line for line in format_table(report).splitlines() if line.startswith("note: the 3 parts cut")]
+    assert len(noted) == (share > CUT_SHARE)  # the table notes it only where the parts cut most edges
+    dense = {**report, "partition": {"parts": 8, "edges": 181908, "cut_edges": 157270, "halo": 0}}
+    assert ("note: the 8 parts cut 86% of the graph's 181,908 edges (halo 0); each branch trained on its part without "
+            "the edges that leave it (view.halo adds its in-neighbours)") in format_table(dense).splitlines()
+    assert partition_line({**report, "partition": None}) == ""
 
 
 def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:

@@ -183,7 +183,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "ingredient_train_seconds": sum(m.get("train_seconds", 0.0) for m in bundle.metas),
         "ingredient_core_seconds": sum(m.get("train_seconds", 0.0) * m.get("threads", 1) for m in bundle.metas),
         "scaled": scaled,
-        "views": [m.get("view", {}) for m in bundle.metas], "trunk": run.get("trunk"), "basin": basin,
+        "views": [m.get("view", {}) for m in bundle.metas], "partition": partition_summary(run, bundle.metas),
+        "trunk": run.get("trunk"), "basin": basin,
         "view_fallback": run.get("view_fallback"),
         "baseline_in_trunk_epochs": baseline_in_trunk_epochs(files, run.get("trunk")),
         "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
@@ -197,6 +198,17 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
                            | {"recipe": recipe.to_dict(), "recompute_bn": recompute})
             write_report(files.path, report)
     return report
+
+
+def partition_summary(run: dict[str, Any], metas: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The partition the branches trained on: its parts, the graph's edges, those the parts cut, the halo's hops;
+    None for other views (or a run whose record lacks the graph's edge count)."""
+    view = next((meta["view"] for meta in metas if "total_cut_edges" in meta.get("view", {})), None)
+    edges = run["dataset"].get("edges")
+    if view is None or not edges:
+        return None
+    return {"parts": view["num_ingredients"], "edges": edges, "cut_edges": view["total_cut_edges"],
+            "halo": view.get("halo", 0)}
 
 
 def baseline_in_trunk_epochs(files: RunDir, trunk: dict[str, Any] | None) -> float | None:
