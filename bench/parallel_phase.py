@@ -64,7 +64,7 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
                    "best ingredient": 100 * report["best_ingredient"]["val_acc"], "best soup": 100 * phase["val_acc"]}
     return {"recipe": recipe, "dataset": dataset, "seed": seed, "ingredients": ingredients, "overrides": extra,
             "test": figures, "validation": validation, "view_fallback": report.get("view_fallback"),
-            "partition": report.get("partition"),
+            "partition": report.get("partition"), "versions": report.get("versions"),
             "best_soup": phase["best_soup"], "gain_points": phase["gain_points"],
             "chosen_by": phase.get("chosen_by", "validation"),
             "by_validation": phase.get("by_validation", {}).get("name", phase["best_soup"]),

@@ -86,6 +86,26 @@ def test_resume_of_a_finished_run_trains_nothing(data_root: Path, tmp_path: Path
     assert again.returncode == 0 and (tmp_path / "run" / "ingredient-00.safetensors").stat().st_mtime_ns == before
 
 
+def test_run_json_records_the_libraries_and_a_resume_with_others_says_so(data_root: Path, tmp_path: Path) -> None:
+    import torch_geometric
+
+    from ladle.core.storage import read_json
+
+    run_dir = tmp_path / "run"
+    first = run_in_process("ladle.train", "--ingredients", "1", *TRUNKLESS, "epochs=3", "--data-root", str(data_root),
+                           "--run-dir", str(run_dir))
+    assert first.returncode == 0, first.stderr
+    run = read_json(run_dir / "run.json")
+    assert run["versions"]["torch"] == torch.__version__
+    assert run["versions"]["torch-geometric"] == torch_geometric.__version__
+    write_json(run_dir / "run.json", run | {"versions": run["versions"] | {"torch": "0.0.1"}})
+    (run_dir / "ingredient-00.safetensors").unlink()  # something left to train
+    resumed = run_in_process("ladle.train", "--resume", "--run-dir", str(run_dir), "--data-root", str(data_root))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming with other libraries than the run started with (torch 0.0.1 -> {torch.__version__})" in \
+        resumed.stderr
+
+
 def test_nan_loss_fails_that_ingredient_and_keeps_the_run(data_root: Path, tmp_path: Path) -> None:
     from ladle.core.recipe import load_recipe
     from ladle.train.launch import train_ingredients

@@ -92,6 +92,7 @@ def test_average_every_from_the_cli_is_a_soup_reference(seeded_runs: dict[str, P
     report = json.loads((run / "report.json").read_text())
     references = {ref["name"]: ref for ref in report["references"]}
     assert set(references) == {"ensemble", "averaged"}
+    assert report["versions"]["soup"]["torch"] == report["versions"]["run"]["torch"] == torch.__version__
     assert references["averaged"]["val_acc"] == pytest.approx(meta["val_acc"], abs=1 / 500)  # one node at most
     assert references["averaged"]["test_acc"] == pytest.approx(meta["test_acc"], abs=1 / 1000)
     assert "averaged (ref)" in (run / "report.md").read_text()

@@ -404,6 +404,7 @@ def test_torchrun_launch(data_root: Path, cora_data: Data, tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((run_dir / "varrate.json").read_text())
     assert meta["workers"] == 2 and meta["launcher"] == "torchrun" and meta["epochs_run"] == 2
+    assert meta["versions"]["torch"] == torch.__version__  # the ranks' libraries, as run.json records a train's
     _assert_byte_totals(meta, cora_data)
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "report.md").is_file()
 

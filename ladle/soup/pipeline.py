@@ -34,6 +34,7 @@ from ladle.core.rundir import (
     soup_name,
 )
 from ladle.core.storage import StateDict, read_json, save_state, write_json
+from ladle.core.versions import library_versions
 from ladle.graph.datasets import load_dataset
 from ladle.graph.given import user_graph
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
@@ -186,6 +187,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "views": [m.get("view", {}) for m in bundle.metas], "partition": partition_summary(run, bundle.metas),
         "trunk": run.get("trunk"), "basin": basin,
         "view_fallback": run.get("view_fallback"),
+        "versions": {"run": run.get("versions"), "soup": library_versions()},
         "baseline_in_trunk_epochs": baseline_in_trunk_epochs(files, run.get("trunk")),
         "keeps": [{"name": m["name"], "keep": m.get("keep", "best"), "reason": m.get("keep_reason", "")}
                   for m in bundle.metas],

@@ -42,6 +42,7 @@ from ladle.core.rundir import (
     update_latest,
 )
 from ladle.core.storage import read_json, save_state, write_json
+from ladle.core.versions import changed_versions, library_versions
 from ladle.graph.given import user_graph
 from ladle.graph.pyg_views import check_sampler
 from ladle.graph.shards import ShardSet, prepare_shards
@@ -146,7 +147,7 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         shards.link(run_path)
         run_meta = spec.to_json() | {
             "workers": workers, "device": device, "backend": backend,
-            "created": dt.datetime.now().isoformat(timespec="seconds"),
+            "created": dt.datetime.now().isoformat(timespec="seconds"), "versions": library_versions(),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
             "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root, given),
@@ -193,6 +194,10 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         expected = expected_shapes(run_meta, model)  # a finished checkpoint that does not load is trained again
         todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
         log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
+        changed = changed_versions(run_meta.get("versions"))
+        if todo and changed:
+            log.warning("resuming with other libraries than the run started with (%s): what is trained now may "
+                        "differ from what an uninterrupted run would have trained", ", ".join(changed))
         workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
         data_root = None if data_root is None else str(data_root)
         if todo:  # the run's shards, from the cache (or prepared again if it was cleared)

@@ -21,6 +21,7 @@ from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe
 from ladle.core.rundir import RunDir
 from ladle.core.seeds import worker_seed
+from ladle.core.versions import library_versions
 from ladle.graph.inputs import Features, use_sparse_features
 from ladle.graph.sparse import SparseMatrix
 from ladle.nn.models import GNN, GCNLayer, SAGELayer, build_model, project_features
@@ -346,7 +347,7 @@ def _summary(recipe: Recipe, options: VarrateOptions, world: int, history: list[
     return {
         "recipe": recipe.to_dict(), "workers": world, "partition": options.partition, "compressor": options.compressor,
         "error_feedback": options.error_feedback, "select": options.select, "cache_inputs": options.cache_inputs,
-        "gradients": options.gradients,
+        "gradients": options.gradients, "versions": library_versions(),
         "schedule": options.schedule.describe(), "device": options.device, "threads": options.threads,
         "eval_every": options.eval_every, "evaluations": evaluations,
         "ranks": [{"rank": r, "owned": s[0], "halo": s[1], "sent": s[2], "train": s[3]} for r, s in enumerate(sizes)],
