@@ -16,9 +16,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[plots]'
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+# The test extras in one install (a superset of the demo's, so it marks that one done too).
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[plots,dev,ray]'
-	touch $@
+	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m ladle.train --recipe default --ingredients 8 --baseline
