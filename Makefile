@@ -11,14 +11,16 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # torch first: on these machines torch==2.13.0 is a CPU wheel pip takes from disk; elsewhere pip's normal build.
+TORCH := torch==2.13.0
+
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[plots]'
 	touch $@
 
 # The test extras in one install (a superset of the demo's, so it marks that one done too).
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[plots,dev,ray]'
 	touch $(VENV)/.installed $@
 

@@ -11,7 +11,7 @@ import torch
 from conftest import TRUNKLESS, run_in_process, train_then_kill
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import load_state, save_state, write_json
+from ladle.core.storage import load_state, read_json, save_state, write_json
 
 
 class _Payload:
@@ -88,8 +88,6 @@ def test_resume_of_a_finished_run_trains_nothing(data_root: Path, tmp_path: Path
 
 def test_run_json_records_the_libraries_and_a_resume_with_others_says_so(data_root: Path, tmp_path: Path) -> None:
     import torch_geometric
-
-    from ladle.core.storage import read_json
 
     run_dir = tmp_path / "run"
     first = run_in_process("ladle.train", "--ingredients", "1", *TRUNKLESS, "epochs=3", "--data-root", str(data_root),
