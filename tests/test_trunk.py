@@ -15,7 +15,13 @@ from ladle.core.rundir import CONTINUED, TRUNK
 from ladle.core.storage import load_state, save_state
 from ladle.nn.models import build_model
 from ladle.soup.pipeline import soup_run
-from ladle.soup.report import CUT_SHARE, format_table, partition_line
+from ladle.soup.report import (
+    CUT_SHARE,
+    format_markdown,
+    format_table,
+    partition_line,
+    resolution_line,
+)
 from ladle.train.launch import train_ingredients
 from ladle.train.loop import MIN_SELECTION_NODES, plan, train_task
 from ladle.train.task import INGREDIENT, IngredientTask
@@ -85,6 +91,17 @@ def test_the_report_gives_the_share_of_edges_the_parts_cut(frozen_run: Path, cor
     assert ("note: the 8 parts cut 86% of the graph's 181,908 edges (halo 0); each branch trained on its part without "
             "the edges that leave it (view.halo adds its in-neighbours)") in format_table(dense).splitlines()
     assert partition_line({**report, "partition": None}) == ""
+
+
+def test_the_report_says_what_one_test_node_is_worth(frozen_run: Path, cora_data) -> None:
+    report = json.loads((frozen_run / "report.json").read_text())
+    assert report["test_nodes"] == int(cora_data.test_mask.sum()) == 1000
+    assert resolution_line(report) == "" and "one node" not in format_table(report)  # Cora: 0.1 points a node
+    webkb = {**report, "test_nodes": 37, "validation": {**report["validation"], "of": 59}}
+    note = ("note: the test split has 37 nodes, one node 2.7 points of accuracy (validation: 59 nodes, 1.7 points): a "
+            "difference of a node or two between models is no measurement")
+    assert note in format_table(webkb).splitlines() and note in format_markdown(webkb).splitlines()
+    assert resolution_line({**report, "test_nodes": 201}) == "" and resolution_line({**report, "test_nodes": 200})
 
 
 def test_no_trunk_is_todays_run(data_root: Path, tmp_path: Path) -> None:

@@ -177,7 +177,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         "references": references, "best_ingredient": best_ingredient, "mean_ingredient": mean_ingredient,
         "parallel_phase": parallel_phase(soup_rows, references, {"mean ingredient": mean_ingredient,
                                                                  "best ingredient": best_ingredient}),
-        "validation": _validation(evaluator, rows),
+        "validation": _validation(evaluator, rows), "test_nodes": int(data.test_mask.sum()),
         "missing": bundle.missing, "skipped": bundle.skipped, "recompute_bn": recompute, "metric": metric,
         "soup_seconds": setup_seconds + sum(s.seconds for s in soups) + cross_fit_seconds,
         "cross_fit_seconds": cross_fit_seconds, "soup_threads": torch.get_num_threads(),
