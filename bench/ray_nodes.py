@@ -44,11 +44,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+NODE_STARTS = 3  # tries at the second node: on a loaded machine its raylet may miss Ray's 30 s to register
+
+
 @contextmanager
 def loopback_cluster() -> Iterator[tuple[str, int]]:
     """A Ray head and a second node on loopback, 1 CPU each, with a token of their own set in this process's
     environment (children inherit it); yields the head's address and the second raylet's node-manager port."""
-    port, second = _free_port(), _free_port()
+    port = _free_port()
     saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")}
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
     common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
@@ -56,11 +59,18 @@ def loopback_cluster() -> Iterator[tuple[str, int]]:
         # short: Ray's socket paths must fit 107 bytes
         with tempfile.TemporaryDirectory(prefix="ray-", ignore_cleanup_errors=True) as temp:
             try:
-                for args in (["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", temp],
-                             ["--address", f"127.0.0.1:{port}", "--node-manager-port", str(second)]):
-                    started = subprocess.run([str(RAY), "start", *args, *common], capture_output=True, text=True)
-                    if started.returncode:
-                        raise RuntimeError(f"ray start {' '.join(args)} failed: {started.stderr[-2000:]}")
+                _ray_start(["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", temp, *common])
+                for attempt in range(1, NODE_STARTS + 1):
+                    second = _free_port()
+                    try:
+                        _ray_start(["--address", f"127.0.0.1:{port}", "--node-manager-port", str(second), *common])
+                        break
+                    except RuntimeError:
+                        late = raylet_pid(second)  # a raylet late to register must not join the cluster later
+                        if late is not None:
+                            _kill_trees({late})
+                        if attempt == NODE_STARTS:
+                            raise
                 yield f"127.0.0.1:{port}", second
             finally:
                 _stop_cluster(temp, port)
@@ -72,13 +82,25 @@ def loopback_cluster() -> Iterator[tuple[str, int]]:
                 os.environ[name] = value
 
 
-def _stop_cluster(temp: str, port: int, timeout: float = 10) -> None:
+def _ray_start(args: list[str]) -> None:
+    """``ray start`` with ``args``; its error output in the exception when it fails."""
+    started = subprocess.run([str(RAY), "start", *args], capture_output=True, text=True)
+    if started.returncode:
+        raise RuntimeError(f"ray start {' '.join(args)} failed: {started.stderr[-2000:]}")
+
+
+def _stop_cluster(temp: str, port: int) -> None:
     """SIGKILL this cluster's processes alone — those whose arguments name its temp folder or its GCS port, and their
-    descendants — and wait until they are gone (``ray stop`` would stop every Ray cluster of the machine, a
-    concurrent test's too)."""
+    descendants (``ray stop`` would stop every Ray cluster of the machine, a concurrent test's too)."""
     marks = (temp.encode(), f":{port}".encode())
+    _kill_trees({pid for pid, _, args in _processes() if pid != os.getpid()
+                 and any(mark in arg for arg in args for mark in marks)})
+
+
+def _kill_trees(roots: set[int], timeout: float = 10) -> None:
+    """SIGKILL ``roots`` and their descendants, and wait until they are gone."""
     table = [(pid, parent, args) for pid, parent, args in _processes() if pid != os.getpid()]
-    doomed = {pid for pid, _, args in table if any(mark in arg for arg in args for mark in marks)}
+    doomed = set(roots)
     while children := {pid for pid, parent, _ in table if parent in doomed} - doomed:
         doomed |= children
     for pid in doomed:

@@ -55,3 +55,31 @@ def test_losing_a_node_loses_no_ingredient(cluster: tuple[str, int], data_root: 
     assert len(rows) == K * EPOCHS and set(rows.values()) == {1}, "an ingredient's epochs are missing or kept twice"
     soup = run_module("ladle.soup", "--run-dir", str(run_dir), "--data-root", str(data_root), "--method", "uniform")
     assert soup.returncode == 0, soup.stderr
+
+
+def test_a_second_node_late_to_start_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine the second raylet can miss Ray's 30 s to register: it is killed (so it cannot join later)
+    and the node started again on another port; after :data:`NODE_STARTS` failures the error is raised."""
+    import bench.ray_nodes as nodes
+
+    starts: list[list[str]] = []
+    killed: list[set[int]] = []
+
+    def ray_start(args: list[str]) -> None:
+        starts.append(args)
+        if "--address" in args and sum("--address" in a for a in starts) <= failures:
+            raise RuntimeError("ray start failed: The current node timed out during startup.")
+
+    monkeypatch.setattr(nodes, "_ray_start", ray_start)
+    monkeypatch.setattr(nodes, "_stop_cluster", lambda temp, port: None)
+    monkeypatch.setattr(nodes, "raylet_pid", lambda port: 10_000 + port)
+    monkeypatch.setattr(nodes, "_kill_trees", killed.append)
+    failures = 1
+    with nodes.loopback_cluster() as (_, second):
+        tried = [int(args[args.index("--node-manager-port") + 1]) for args in starts if "--address" in args]
+        assert len(tried) == 2 and tried[-1] == second and killed == [{10_000 + tried[0]}]
+    starts.clear()
+    failures = nodes.NODE_STARTS
+    with pytest.raises(RuntimeError, match="timed out during startup"), nodes.loopback_cluster():
+        pass
+    assert sum("--address" in args for args in starts) == nodes.NODE_STARTS
