@@ -1,4 +1,5 @@
-"""Reddit, Flickr, ogbn-arxiv and ogbn-products load through ladle's one code path when their files are present.
+"""Datasets whose files are not in the shared root (Reddit, Flickr, ogbn-arxiv, ogbn-products, the heterophilous,
+Wikipedia, WikiCS and genius graphs) load through ladle's one code path when their files are present.
 
 Each test writes a tiny fake in the dataset's exact on-disk layout (the files PyG's or OGB's loader reads),
 loads it with :func:`ladle.graph.datasets.load_dataset` from a root in ``tmp_path``, checks every array against what
@@ -201,3 +202,104 @@ def test_reddit_layout_loads_then_comes_from_the_cache(tmp_path: Path, offline: 
                                                         shape=(NODES, NODES)))
     for data in _load_twice("reddit", tmp_path / "root", offline, monkeypatch, "_read_with_pyg"):
         _check(data, x, y, _both_ways(edges), split)
+
+
+def _masks(splits: int, seed: int) -> np.ndarray:
+    """``[splits, 3, NODES]`` boolean train / validation / test masks, each split another permutation."""
+    out = np.zeros((splits, 3, NODES), dtype=bool)
+    for split in range(splits):
+        order = np.random.default_rng(seed + split).permutation(NODES)
+        for part, index in enumerate((order[:6], order[6:9], order[9:])):
+            out[split, part, index] = True
+    return out
+
+
+def _check_shipped(data, x: np.ndarray, y: np.ndarray, edges: set[tuple[int, int]], masks: np.ndarray) -> None:
+    """As :func:`_check`, the masks being split ``masks``' (``[3, NODES]``)."""
+    assert data.num_nodes == NODES and data.num_classes == CLASSES
+    assert torch.allclose(data.x, torch.from_numpy(x), atol=1e-6) and torch.equal(data.y, torch.from_numpy(y).long())
+    assert _edge_set(data.edge_index) == edges
+    for mask, expected in zip(("train_mask", "val_mask", "test_mask"), masks):
+        assert torch.equal(data[mask], torch.from_numpy(expected)), mask
+
+
+# --- PyG's HeterophilousGraphDataset: <root>/roman_empire/raw/roman_empire.npz (its ten splits as [10, N] masks) -----
+
+
+def test_heterophilous_layout_loads_with_its_shipped_splits(tmp_path: Path, offline: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y, edges = _graph(seed=9)
+    masks = _masks(2, seed=1)
+    raw = tmp_path / "root" / "roman_empire" / "raw"
+    raw.mkdir(parents=True)
+    np.savez(raw / "roman_empire.npz", node_features=x, node_labels=y, edges=edges.T, train_masks=masks[:, 0],
+             val_masks=masks[:, 1], test_masks=masks[:, 2])
+    for data in _load_twice("roman-empire", tmp_path / "root", offline, monkeypatch, "_read_with_pyg"):
+        _check_shipped(data, x, y, _both_ways(edges), masks[0])
+    _check_shipped(load_dataset("roman-empire", tmp_path / "root", split=1), x, y, _both_ways(edges), masks[1])
+    with pytest.raises(LadleError, match="ships 2 splits"):
+        load_dataset("roman-empire", tmp_path / "root", split=2)
+
+
+# --- PyG's WikipediaNetwork (geom-gcn): <root>/chameleon/geom_gcn/raw/{out1_*.txt, chameleon_split_0.6_0.2_*.npz} ---
+
+
+def test_wikipedia_network_layout_loads_with_its_shipped_splits(tmp_path: Path, offline: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    x = (np.random.default_rng(2).random((NODES, FEATURES)) < 0.5).astype(np.float32)  # geom-gcn's: 0/1 words
+    _, y, edges = _graph(seed=2)
+    masks = _masks(10, seed=3)
+    raw = tmp_path / "root" / "chameleon" / "geom_gcn" / "raw"
+    raw.mkdir(parents=True)
+    rows = "".join(f"{node}\t{','.join(str(int(v)) for v in x[node])}\t{y[node]}\n" for node in range(NODES))
+    (raw / "out1_node_feature_label.txt").write_text("node_id\tfeature\tlabel\n" + rows)
+    (raw / "out1_graph_edges.txt").write_text("node_id\tnode_id\n" + "".join(f"{a}\t{b}\n" for a, b in edges.T))
+    for split in range(10):
+        np.savez(raw / f"chameleon_split_0.6_0.2_{split}.npz", train_mask=masks[split, 0], val_mask=masks[split, 1],
+                 test_mask=masks[split, 2])
+    directed = {(int(a), int(b)) for a, b in edges.T}  # geom-gcn's edges as they are
+    for data in _load_twice("chameleon", tmp_path / "root", offline, monkeypatch, "_read_with_pyg"):
+        _check_shipped(data, x, y, directed, masks[0])
+    _check_shipped(load_dataset("chameleon", tmp_path / "root", split=9), x, y, directed, masks[9])
+
+
+# --- PyG's WikiCS: <root>/WikiCS/raw/data.json (20 train / validation splits, one test mask) ---------------------------
+
+
+def test_wikics_layout_loads_its_splits_around_one_test_mask(tmp_path: Path, offline: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y, edges = _graph(seed=4)
+    masks = _masks(20, seed=5)
+    masks[:, 2] = masks[0, 2]  # one test mask for every split
+    masks[:, :2] &= ~masks[0, 2]
+    raw = tmp_path / "root" / "WikiCS" / "raw"
+    raw.mkdir(parents=True)
+    links = [[int(b) for a, b in edges.T if a == node] for node in range(NODES)]
+    (raw / "data.json").write_text(json.dumps({
+        "features": x.tolist(), "labels": y.tolist(), "links": links, "train_masks": masks[:, 0].tolist(),
+        "val_masks": masks[:, 1].tolist(), "stopping_masks": masks[:, 1].tolist(), "test_mask": masks[0, 2].tolist()}))
+    for data in _load_twice("wikics", tmp_path / "root", offline, monkeypatch, "_read_with_pyg"):
+        _check_shipped(data, x, y, _both_ways(edges), masks[0])
+    _check_shipped(load_dataset("wikics", tmp_path / "root", split=19), x, y, _both_ways(edges), masks[19])
+
+
+# --- PyG's LINKXDataset genius: <root>/genius/raw/data.mat (edge_index, node_feat, label); a random split -------------
+
+
+def test_genius_layout_loads_with_a_seeded_random_split(tmp_path: Path, offline: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from scipy.io import savemat
+
+    x, y, edges = _graph(seed=6)
+    raw = tmp_path / "root" / "genius" / "raw"
+    raw.mkdir(parents=True)
+    savemat(raw / "data.mat", {"edge_index": edges, "node_feat": x, "label": y.reshape(1, -1)})
+    first, cached = _load_twice("genius", tmp_path / "root", offline, monkeypatch, "_read_with_pyg")
+    for data in (first, cached):
+        assert torch.allclose(data.x, torch.from_numpy(x)) and torch.equal(data.y, torch.from_numpy(y))
+        assert _edge_set(data.edge_index) == {(int(a), int(b)) for a, b in edges.T}
+        parts = torch.stack([data.train_mask, data.val_mask, data.test_mask]).long()
+        assert torch.equal(parts.sum(0), torch.ones(NODES, dtype=torch.long))  # every node in one split
+        assert int(data.train_mask.sum()) == NODES // 2
+    assert torch.equal(first.train_mask, cached.train_mask)
+    assert not torch.equal(load_dataset("genius", tmp_path / "root", split=1).train_mask, first.train_mask)

@@ -58,13 +58,14 @@ def _planetoid(name: str) -> Callable[[Path], Data]:
     return load
 
 
-def _pyg(cls_name: str, name: str | None, sub: str | None = None) -> Callable[[Path], Data]:
+def _pyg(cls_name: str, name: str | None, sub: str | None = None, **options: bool) -> Callable[[Path], Data]:
+    """PyG's ``cls_name`` dataset ``name`` under the root (or its ``sub`` folder), with ``options``."""
     def load(root: Path) -> Data:
         import torch_geometric.datasets as datasets
 
         cls = getattr(datasets, cls_name)
         where = str(root / sub) if sub else str(root)
-        return (cls(where, name) if name else cls(where))[0]
+        return (cls(where, name, **options) if name else cls(where, **options))[0]
 
     return load
 
@@ -157,13 +158,21 @@ SOURCES: dict[str, _Source] = {
         "out1_graph_edges.txt, out1_node_feature_label.txt, film_split_0.6_0.2_*.npz", "shipped"
     ),
     **{
-        name: _Source(name, _pyg("HeterophilousGraphDataset", name), f"{name}.npz", "shipped")
-        for name in ("tolokers", "minesweeper")
+        name: _Source(name.replace("-", "_"), _pyg("HeterophilousGraphDataset", name),
+                      f"{name.replace('-', '_')}.npz", "shipped")
+        for name in ("roman-empire", "amazon-ratings", "minesweeper", "tolokers", "questions")
     },
+    **{
+        name: _Source(name, _pyg("WikipediaNetwork", name), "geom_gcn/raw/: out1_graph_edges.txt, "
+                      f"out1_node_feature_label.txt, {name}_split_0.6_0.2_*.npz", "shipped")
+        for name in ("chameleon", "squirrel")
+    },
+    "wikics": _Source("WikiCS", _pyg("WikiCS", None, "WikiCS", is_undirected=True), "data.json", "shipped"),
     **{
         name: _Source(name, _pyg("LINKXDataset", name), "data.mat", "random")
         for name in ("cornell5", "johnshopkins55", "amherst41", "reed98")
     },
+    "genius": _Source("genius", _pyg("LINKXDataset", "genius"), "data.mat", "random"),
     "reddit": _Source("Reddit", _pyg("Reddit", None, "Reddit"), "reddit_data.npz, reddit_graph.npz", "shipped"),
     "flickr": _Source("Flickr", _pyg("Flickr", None, "Flickr"), "adj_full.npz, feats.npy, class_map.json, role.json",
                       "shipped"),
@@ -432,7 +441,7 @@ def _with_split(data: Data, kind: str, split: int) -> Data:
         if split >= count:
             raise LadleError(f"split={split} but this dataset ships {count} splits (0..{count - 1})")
         for mask in ("train_mask", "val_mask", "test_mask"):
-            data[mask] = data[mask][:, split]
+            data[mask] = data[mask][:, split] if data[mask].dim() == 2 else data[mask]  # WikiCS: one test mask
     elif split != 0:
         raise LadleError(f"split={split}: this dataset has one standard split; use split=0")
     for mask in ("train_mask", "val_mask", "test_mask"):
