@@ -158,9 +158,9 @@ SOURCES: dict[str, _Source] = {
         "out1_graph_edges.txt, out1_node_feature_label.txt, film_split_0.6_0.2_*.npz", "shipped"
     ),
     **{
-        name: _Source(name.replace("-", "_"), _pyg("HeterophilousGraphDataset", name),
-                      f"{name.replace('-', '_')}.npz", "shipped")
-        for name in ("roman-empire", "amazon-ratings", "minesweeper", "tolokers", "questions")
+        name: _Source(folder, _pyg("HeterophilousGraphDataset", name), f"{folder}.npz", "shipped")
+        for name, folder in ((name, name.replace("-", "_"))  # PyG's folder and file: roman_empire
+                             for name in ("roman-empire", "amazon-ratings", "minesweeper", "tolokers", "questions"))
     },
     **{
         name: _Source(name, _pyg("WikipediaNetwork", name), "geom_gcn/raw/: out1_graph_edges.txt, "
