@@ -132,6 +132,14 @@ def test_branch_warmup_rises_linearly_into_the_schedule_for_branches_and_the_tru
     assert plan(recipe, IngredientTask(None, 2, tmp_path, "shared", role=TRUNK)).lr_at(0) == 0.01  # not the trunk
 
 
+def test_a_cosine_trunk_decays_to_zero_over_its_own_epochs(tmp_path: Path) -> None:
+    recipe = load_recipe(None, ["trunk.epochs=20", "trunk.lr=0.02", "trunk.schedule=cos", "epochs=100"])
+    trunk = plan(recipe, IngredientTask(None, 2, tmp_path, "shared", role=TRUNK))
+    assert [trunk.lr_at(epoch) for epoch in (0, 10, 19)] == pytest.approx(
+        [0.02, 0.01, 0.01 * (1 + math.cos(math.pi * 19 / 20))])
+    assert plan(recipe, IngredientTask(0, 2, tmp_path, "shared")).lr_at(19) == 0.01  # branches keep their own
+
+
 def test_the_baseline_trains_beside_the_trunk_and_outlives_its_failure(data_root: Path, tmp_path: Path) -> None:
     """The baseline needs no trunk, so it trains beside it: a trunk that fails (a NaN loss) stops the branches, not
     the baseline."""
@@ -159,6 +167,7 @@ def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_
     ("trunk.view=metis", "trunk.view must be empty (derived) or one of full, cluster"),
     ("trunk.epochs=-1", "trunk.epochs must be >= 0 (0 = no trunk), got -1"),
     ("branch.schedule=linear", "branch.schedule must be one of constant, cos; got 'linear'"),
+    ("trunk.schedule=step", "trunk.schedule must be one of constant, cos; got 'step'"),
     ("branch.keep=first", "branch.keep must be one of best, last, swa; got 'first'"),
     ("branch.lr=0", "branch.lr must be finite and > 0"),
     ("branch.warmup=-1", "branch.warmup must be >= 0 epochs, got -1"),

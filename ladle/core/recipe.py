@@ -52,13 +52,15 @@ class TrunkConfig:
     (recipe section ``trunk``; ``epochs: 0`` turns it off and ingredients start from the shared init).
 
     ``view``: the view kind it trains on, one a bounded worker can hold; empty means ``cluster`` for
-    partition recipes and the recipe's own view otherwise. ``keep``: its ``best``-validation or ``last``
-    weights.
+    partition recipes and the recipe's own view otherwise. ``schedule``: its learning rate ``constant`` or
+    ``cos`` (decayed to 0 over ``epochs``, so the weights it keeps settle rather than swing with each sampled
+    batch). ``keep``: its ``best``-validation or ``last`` weights.
     """
 
     epochs: int = 10
     view: str = ""
     lr: float = 0.01
+    schedule: str = "constant"
     keep: str = "last"
 
     def __post_init__(self) -> None:
@@ -70,6 +72,7 @@ class TrunkConfig:
                              "(a trunk sees the whole graph through a bounded view, not one part)")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"trunk.lr must be finite and > 0, got {self.lr}")
+        _check_choice("trunk.schedule", self.schedule, LR_SCHEDULES)
         _check_choice("trunk.keep", self.keep, TRUNK_KEEPS)
 
 

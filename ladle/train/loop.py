@@ -171,7 +171,7 @@ def plan(recipe: Recipe, task: IngredientTask) -> Plan:
     epochs as a trunk and its branches), keeping its best; ingredients train ``epochs`` as ``branch.*`` says,
     and so does the trunk continued, which keeps its best (the counterfactual a branch is measured against)."""
     if task.role == TRUNK:
-        return Plan(recipe.trunk.epochs, recipe.trunk.lr, "constant", recipe.trunk.keep, recipe.patience)
+        return Plan(recipe.trunk.epochs, recipe.trunk.lr, recipe.trunk.schedule, recipe.trunk.keep, recipe.patience)
     if task.role == BASELINE:
         return Plan(recipe.trunk.epochs + recipe.epochs, recipe.lr, "constant", "best", recipe.patience)
     keep = "best" if task.role == CONTINUED else recipe.branch.keep
