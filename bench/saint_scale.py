@@ -1,0 +1,51 @@
+"""How far a GraphSAINT random-walk batch's GCN aggregation is from the whole graph's, per graph.
+
+ladle's saint views normalise a batch with its own degrees and then weight each edge by GraphSAINT's
+C_v / C_uv (bench/RESULTS.md, *The random-walk view on dense graphs*): a node's aggregation in a batch is
+then about 1 / p times its whole-graph value, p the share of its neighbours a batch holds, so it grows
+with the degree. For each graph this prints the mean over a batch's nodes of (row sum of the batch's
+normalised, weighted adjacency) / (row sum of the whole graph's), for the first batches of ingredient 0.
+Not a test: run it by hand, e.g.
+
+    python bench/saint_scale.py cora citeseer physics amherst41
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import Tensor
+
+from ladle.core.recipe import ViewConfig
+from ladle.graph.datasets import load_dataset
+from ladle.graph.inputs import adjacency
+from ladle.graph.views import build_view
+
+
+def row_sums(edge_index: Tensor, num_nodes: int, edge_weight: Tensor | None = None) -> Tensor:
+    """Each row's sum of the GCN adjacency the model aggregates with (self-loops included)."""
+    return (adjacency(edge_index, num_nodes, "gcn", edge_weight).csr @ torch.ones(num_nodes, 1)).view(-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("datasets", nargs="+")
+    parser.add_argument("--data-root", default=None)
+    parser.add_argument("--batches", type=int, default=4)
+    args = parser.parse_args()
+    results = {}
+    for name in args.datasets:
+        data = load_dataset(name, args.data_root)
+        view = build_view(data, ViewConfig(kind="saint-rw"), 0, 8, 0)
+        whole = row_sums(data.edge_index, data.num_nodes)
+        ratios = [(row_sums(batch.edge_index, batch.num_nodes, batch.edge_weight) / whole[batch.n_id]).mean().item()
+                  for _, batch in zip(range(args.batches), view.batches(0))]
+        results[name] = {"edges_per_node": data.num_edges / data.num_nodes, "batch_over_whole": ratios}
+        print(f"{name}: {data.num_edges / data.num_nodes:.1f} edges a node, batch / whole-graph aggregation "
+              f"{sum(ratios) / len(ratios):.2f}", flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
