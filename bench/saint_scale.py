@@ -1,9 +1,9 @@
 """How far a GraphSAINT random-walk batch's GCN aggregation is from the whole graph's, per graph.
 
-ladle's saint views normalise a batch with its own degrees and then weight each edge by GraphSAINT's
-C_v / C_uv (bench/RESULTS.md, *The random-walk view on dense graphs*): a node's aggregation in a batch is
-then about 1 / p times its whole-graph value, p the share of its neighbours a batch holds, so it grows
-with the degree. For each graph this prints the mean over a batch's nodes of (row sum of the batch's
+ladle's saint views normalise a batch with its own degrees (an average over the neighbours it holds) and
+then weight each edge by GraphSAINT's C_v / C_uv, about 1 / p for p the share of a node's neighbours a batch
+holds (bench/RESULTS.md, *The random-walk view on dense graphs*): a node's aggregation in a batch is then
+about 1 / p times its whole-graph value, so it grows with the degree. For each graph this prints the mean over a batch's nodes of (row sum of the batch's
 normalised, weighted adjacency) / (row sum of the whole graph's), for the first batches of ingredient 0.
 Not a test: run it by hand, e.g.
 
