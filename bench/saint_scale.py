@@ -3,8 +3,9 @@
 ladle's saint views normalise a batch with its own degrees (an average over the neighbours it holds) and
 then weight each edge by GraphSAINT's C_v / C_uv, about 1 / p for p the share of a node's neighbours a batch
 holds (bench/RESULTS.md, *The random-walk view on dense graphs*): a node's aggregation in a batch is then
-about 1 / p times its whole-graph value, so it grows with the degree. For each graph this prints the mean over a batch's nodes of (row sum of the batch's
-normalised, weighted adjacency) / (row sum of the whole graph's), for the first batches of ingredient 0.
+about 1 / p times its whole-graph value, so it grows with the degree. For each graph this prints the mean,
+over a batch's nodes, of (row sum of the batch's normalised, weighted adjacency) / (row sum of the whole
+graph's), for the first batches of ingredient 0 of 8.
 Not a test: run it by hand, e.g.
 
     python bench/saint_scale.py cora citeseer physics amherst41
@@ -41,8 +42,9 @@ def main() -> None:
         whole = row_sums(data.edge_index, data.num_nodes)
         ratios = [(row_sums(batch.edge_index, batch.num_nodes, batch.edge_weight) / whole[batch.n_id]).mean().item()
                   for _, batch in zip(range(args.batches), view.batches(0))]
-        results[name] = {"edges_per_node": data.num_edges / data.num_nodes, "batch_over_whole": ratios}
-        print(f"{name}: {data.num_edges / data.num_nodes:.1f} edges a node, batch / whole-graph aggregation "
+        edges_per_node = data.num_edges / data.num_nodes
+        results[name] = {"edges_per_node": edges_per_node, "batch_over_whole": ratios}
+        print(f"{name}: {edges_per_node:.1f} edges a node, batch / whole-graph aggregation "
               f"{sum(ratios) / len(ratios):.2f}", flush=True)
     print(json.dumps(results))
 
