@@ -7,8 +7,9 @@ For each recipe, dataset and seed it runs, as a user would,
 
 and reads the soup's report: the trunk, the trunk continued (the same worker training on for a branch's
 epochs), the mean and best-validation ingredient, each soup, the logit ensemble, the full-graph baseline,
-the largest interpolation barrier (on validation, and on the test nodes), and what the branches added (the best soup by validation, learned soups
-left out, minus the trunk and minus the trunk continued). Not a test: run it by hand, e.g.
+the largest interpolation barrier (on validation, and on the test nodes), each model's ``view_agreement``, and
+what the branches added (the best soup by validation, learned soups left out, minus the trunk and minus the trunk
+continued). Not a test: run it by hand, e.g.
 
     python bench/parallel_phase.py --recipes default cora-metis --datasets cora citeseer --seeds 5
     python bench/parallel_phase.py --recipes default --datasets physics --seeds 3 --workers 2
@@ -74,7 +75,8 @@ def run_one(recipe: str, dataset: str, seed: int, ingredients: int, workers: int
             "steps": {name: references[name].get("steps") for name in ("trunk", "trunk-continued", "baseline")
                       if name in references},
             "train_seconds": {name: meta.get("train_seconds") for name, meta in metas.items()},
-            "peak_rss_mb": {name: meta.get("peak_rss_mb") for name, meta in metas.items()}}
+            "peak_rss_mb": {name: meta.get("peak_rss_mb") for name, meta in metas.items()},
+            "view_agreement": {name: meta.get("view_agreement") for name, meta in metas.items()}}
 
 
 def _metas(run_dir: Path, report: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -1,19 +1,32 @@
-"""A view that fails on the graph: told from the models trained on it against the baseline, and trained again on the
-whole graph by the launcher, the first models kept aside and the run's record saying why."""
+"""A view that fails on the graph: told from the models trained on it against the baseline, or from how few of their
+training nodes they classify the same in their batches as in the whole graph, and trained again on the whole graph by
+the launcher, the first models kept aside and the run's record saying why."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
-from conftest import STARVED_VIEW
+from conftest import STARVED_VIEW, TRUNKLESS
 
 from ladle.core.recipe import load_recipe
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, check_same_run, run_difference
 from ladle.soup.pipeline import soup_run
 from ladle.soup.report import format_table
 from ladle.train.launch import resume_run, train_ingredients
-from ladle.train.view_check import VIEW_GAP_POINTS, fallback_recipe, view_failure
+from ladle.train.loop import train_task
+from ladle.train.task import IngredientTask
+from ladle.train.view_check import (
+    VIEW_AGREEMENT_MIN,
+    VIEW_GAP_POINTS,
+    branches_hold_the_graph,
+    fallback_recipe,
+    view_failure,
+)
+
+# 25 edges a node: a random-walk batch holds a small share of a node's neighbours and aggregates unlike the graph
+DENSE = ("synthetic:nodes=2000,degree=26,features=100,classes=8,homophily=0.95,signal=0.15,communities=10,"
+         "locality=0.8,subclasses=4,affinity=0.4")
 
 
 def _meta(val_acc: float, on: str = "graph") -> dict[str, object]:
@@ -36,6 +49,53 @@ def test_a_view_fails_only_when_every_model_scored_on_the_whole_graph_is_far_bel
     assert view_failure(recipe, {TRUNK: _meta(0.2), CONTINUED: _meta(0.2)}) is None  # no baseline: nothing to tell
     fallen = fallback_recipe(load_recipe("physics-metis"))
     assert fallen.view.kind == fallen.trunk_view().kind == "full" and fallen.trunk.epochs == 100
+
+
+def _agreeing(agreement: float | None, role: str = "ingredient", on: str = "graph") -> dict[str, object]:
+    return {"val_acc": 0.8, "metrics_on": on, "role": role, "view_agreement": agreement}
+
+
+def test_a_view_whose_models_disagree_with_the_whole_graph_fails_with_or_without_a_baseline() -> None:
+    recipe = load_recipe(None)  # random-walk batches
+    metas = {TRUNK: _agreeing(0.2, role=TRUNK), CONTINUED: _agreeing(0.6, role=CONTINUED),
+             "ingredient-00": _agreeing(0.7), "ingredient-01": _agreeing(0.5)}
+    failure = view_failure(recipe, metas)
+    assert failure is not None and failure["best"] == "ingredient-00" and "gap_points" not in failure
+    assert failure["agreement"] == 0.7 and failure["agreement_min"] == VIEW_AGREEMENT_MIN
+    metas[BASELINE] = {"val_acc": 0.81, "metrics_on": "graph", "role": BASELINE, "view_agreement": None}
+    assert view_failure(recipe, metas) == failure  # within the gap of the baseline: the agreement still tells
+    metas["ingredient-01"] = _agreeing(VIEW_AGREEMENT_MIN)  # one model that agrees is enough
+    assert view_failure(recipe, metas) is None
+    assert view_failure(recipe, {TRUNK: _agreeing(0.2, role=TRUNK)}) is None  # the short trunk alone says nothing
+    assert branches_hold_the_graph(metas)
+    assert not branches_hold_the_graph({"ingredient-00": _agreeing(None, on="part"), CONTINUED: _agreeing(0.5)})
+
+
+def test_a_model_agrees_with_the_whole_graph_where_its_batches_stand_for_it(cora_data, tmp_path: Path,
+                                                                            one_thread) -> None:
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=saint-rw", "epochs=30"])
+    meta = train_task(recipe, cora_data, IngredientTask(0, 2, tmp_path / "cora", "independent", 3))
+    assert meta["val_acc"] > 0.7 and meta["view_agreement"] >= VIEW_AGREEMENT_MIN  # Cora: 0.95-0.99 measured
+    full = train_task(recipe.replace(view=recipe.view.__class__(kind="full")), cora_data,
+                      IngredientTask(0, 2, tmp_path / "full", "independent", 3))
+    assert full["view_agreement"] is None  # the whole graph is its own batch
+
+
+def test_a_view_that_disagrees_is_trained_again_on_the_whole_graph_without_a_baseline(data_root: Path,
+                                                                                      tmp_path: Path) -> None:
+    recipe = load_recipe(None, [f"dataset={DENSE}", "trunk.epochs=5", "epochs=20", "soup.method=uniform"])
+    run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root,
+                            threads=1)
+    failure = run.view_fallback
+    assert not run.failed and run.baseline is None and failure is not None and failure["agreement"] < 0.8
+    first = [json.loads((tmp_path / "run" / "failed-view" / f"{name}.json").read_text())
+             for name in ("ingredient-00", "ingredient-01", CONTINUED)]
+    assert max(meta["view_agreement"] for meta in first) == failure["agreement"]
+    assert max(meta["val_acc"] for meta in run.ingredients) > max(meta["val_acc"] for meta in first) + 0.05
+    assert all(meta["view"]["kind"] == "full" for meta in run.ingredients)
+    assert format_table(soup_run(tmp_path / "run", data_root=data_root)).splitlines()[1].startswith(
+        f"saint-rw failed on this graph (the model on it that agrees most, {failure['best']}, classifies "
+        f"{100 * failure['agreement']:.0f} % of its training nodes the same in its batches as in the whole graph")
 
 
 def test_a_failed_view_is_trained_again_on_the_whole_graph(data_root: Path, tmp_path: Path) -> None:

@@ -127,9 +127,17 @@ def _relative(points_below: float) -> str:
 def fallback_text(failure: dict[str, Any]) -> str:
     """What the launcher did when a run's view failed (``run.json``'s ``view_fallback``, :mod:`ladle.train.view_check`):
     for the run's summary table and the soup report."""
-    return (f"{failure['view']} failed on this graph ({failure['best']} on it validated {failure['gap_points']:.1f} "
-            f"points below the full-graph baseline): the launcher trained the trunk and the branches again on the "
-            f"whole graph (the first ones are in {FAILED_VIEW}/)")
+    return (f"{failure['view']} failed on this graph ({failure_reason(failure)}): the launcher trained the trunk and "
+            f"the branches again on the whole graph (the first ones are in {FAILED_VIEW}/)")
+
+
+def failure_reason(failure: dict[str, Any]) -> str:
+    """Why the view was said to have failed: against the full-graph baseline, or from its models' agreement."""
+    if "gap_points" in failure:
+        return f"{failure['best']} on it validated {failure['gap_points']:.1f} points below the full-graph baseline"
+    agreement, least = 100 * failure["agreement"], 100 * failure["agreement_min"]
+    return (f"the model on it that agrees most, {failure['best']}, classifies {agreement:.0f} % of its training nodes "
+            f"the same in its batches as in the whole graph, < {least:.0f} %")
 
 
 def fallback_line(report: dict[str, Any]) -> str:

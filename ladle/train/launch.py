@@ -55,11 +55,15 @@ from ladle.nn.saved import (
     verify_finished,
 )
 from ladle.soup.methods import chosen_methods
-from ladle.soup.report import fallback_text
+from ladle.soup.report import failure_reason, fallback_text
 from ladle.train.curves import check_loggers, merge_metrics
 from ladle.train.ray_tasks import import_ray, run_ray
 from ladle.train.task import SAVE_EVERY, IngredientTask, RunSpec
-from ladle.train.view_check import fallback_recipe, view_failure
+from ladle.train.view_check import (
+    branches_hold_the_graph,
+    fallback_recipe,
+    view_failure,
+)
 from ladle.train.worker import run_task, start_worker
 
 log = logging.getLogger(__name__)
@@ -228,8 +232,13 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
 
     results, failed = train(spec, tasks)
     metas = _finished(files, spec, results)
-    failure = None if failed or not spec.baseline else view_failure(spec.recipe, metas)
-    if failure is not None:  # one worker holds the whole graph (the baseline did): train the rest again on it
+    failure = None if failed else view_failure(spec.recipe, metas)
+    if failure is not None and not (spec.baseline or branches_hold_the_graph(metas)):
+        log.warning("%s looks failed on this graph (%s), but its branches hold their parts alone: rerun with "
+                    "--baseline to let the launcher train them again on the whole graph", failure["view"],
+                    failure_reason(failure))
+        failure = None
+    if failure is not None:  # a worker held the whole graph: train the trunk and the branches again on it
         spec = _fall_back(files, run_meta, spec, failure, data_root, graph)
         results, failed = train(spec, [task for task in spec.tasks(run_path) if task.role != BASELINE])
         metas = _finished(files, spec, results)
@@ -292,9 +301,8 @@ def _fall_back(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, failure: 
     """Record that the run's view failed (``run.json``: ``view_fallback``, the recipe now trained, and the one asked
     for in ``asked_recipe``), move the models trained on it to :attr:`RunDir.failed_view`, link the run to the
     shards of the whole-graph recipe, and return the spec that trains the trunk and the branches on it."""
-    log.warning("%s failed on this graph: the best model on it (%s) validates %.1f points below the full-graph "
-                "baseline; training the trunk and the branches again on the whole graph (the first ones are kept in "
-                "%s)", failure["view"], failure["best"], failure["gap_points"], files.failed_view)
+    log.warning("%s failed on this graph (%s); training the trunk and the branches again on the whole graph (the "
+                "first ones are kept in %s)", failure["view"], failure_reason(failure), files.failed_view)
     merge_metrics(files.path)
     files.failed_view.mkdir(exist_ok=True)
     if files.metrics.is_file():

@@ -137,6 +137,33 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: Ingred
     return (sum(losses) / len(losses) if losses else float("nan")), len(losses)
 
 
+AGREEMENT_NODES = 500  # training nodes a model's batch predictions are compared on, at least ...
+AGREEMENT_BATCHES = 32  # ... unless this many batches hold fewer
+
+
+@torch.no_grad()
+def view_agreement(model: nn.Module, view: IngredientView, inputs: BatchInputs, whole: GraphInputs,
+                   epoch: int) -> float | None:
+    """The share of the loss nodes of ``view``'s batches from ``epoch`` on (:data:`AGREEMENT_NODES` of them, or
+    those of :data:`AGREEMENT_BATCHES` batches) that ``model`` (eval mode) classifies the same in its batch as in the
+    whole graph (``whole``); None for a static view, or batches without loss nodes. A view whose batches
+    aggregate unlike the graph gives a model that fits them and fails on the graph: this figure says so without a
+    full-graph model to compare with (:mod:`ladle.train.view_check`)."""
+    if view.static:
+        return None
+    model.eval()
+    whole_pred = model(whole).argmax(-1).cpu()
+    same = total = 0
+    batches = (batch for later in range(epoch, epoch + AGREEMENT_BATCHES) for batch in view.batches(later))
+    for _, batch in zip(range(AGREEMENT_BATCHES), batches):
+        pred = model(inputs(batch)).argmax(-1).cpu()[batch.loss_mask]
+        same += int((pred == whole_pred[batch.n_id[batch.loss_mask]]).sum())
+        total += pred.numel()
+        if total >= AGREEMENT_NODES:
+            break
+    return same / total if total else None
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one model trains: ``epochs``, Adam's ``lr`` (``constant`` or ``cos``: decayed to 0 along a
@@ -349,13 +376,18 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
             bar.update(1)
             bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
 
+    if keep != "last":
+        model.load_state_dict(kept)
+    agreement = (view_agreement(model, view, batch_inputs, eval_inputs, first_view_epoch + schedule.epochs)
+                 if eval_graph.num_nodes == data.num_nodes and part_view is None else None)
     meta = finish(model, None if keep == "last" else kept, files.weights(task.name), files.meta(task.name), {
         "name": task.name, "role": task.role, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
         "epochs_run": progress.next_epoch, "steps": progress.steps, "best_epoch": progress.best_epoch,
         "view_val_acc": progress.best_acc, "metrics_on": "graph" if part_view is None else "part",
         "plan": asdict(schedule), "settings": asdict(settings), "keep": keep, "keep_reason": keep_reason,
-        "view_val_nodes": val_nodes, "start": TRUNK if from_trunk(recipe, task) else task.init,
+        "view_val_nodes": val_nodes, "view_agreement": agreement,
+        "start": TRUNK if from_trunk(recipe, task) else task.init,
         "train_seconds": progress.seconds + time.perf_counter() - start, "pid": os.getpid(),
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
     }, scored_on=(full_inputs, data))
