@@ -46,7 +46,7 @@ def test_a_view_fails_only_when_every_model_scored_on_the_whole_graph_is_far_bel
     metas[CONTINUED] = _meta(0.75)
     assert view_failure(recipe.replace(view=recipe.view.__class__(kind="metis", fallback="none")), metas) is None
     assert view_failure(fallback_recipe(recipe), metas) is None  # the whole graph has nothing to fall back to
-    assert view_failure(recipe, {TRUNK: _meta(0.2), CONTINUED: _meta(0.2)}) is None  # no baseline: nothing to tell
+    assert view_failure(recipe, {TRUNK: _meta(0.2), CONTINUED: _meta(0.2)}) is None  # no baseline, no agreement figure
     fallen = fallback_recipe(load_recipe("physics-metis"))
     assert fallen.view.kind == fallen.trunk_view().kind == "full" and fallen.trunk.epochs == 100
 
