@@ -376,11 +376,11 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
             bar.update(1)
             bar.set_postfix(val=f"{val.acc:.3f}", best=f"{progress.best_acc:.3f}")
 
-    if keep != "last":
+    if keep != "last":  # the kept weights, once: the agreement and finish read the model as it is
         model.load_state_dict(kept)
     agreement = (view_agreement(model, view, batch_inputs, eval_inputs, first_view_epoch + schedule.epochs)
                  if eval_graph.num_nodes == data.num_nodes and part_view is None else None)
-    meta = finish(model, None if keep == "last" else kept, files.weights(task.name), files.meta(task.name), {
+    meta = finish(model, None, files.weights(task.name), files.meta(task.name), {
         "name": task.name, "role": task.role, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
         "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
         "epochs_run": progress.next_epoch, "steps": progress.steps, "best_epoch": progress.best_epoch,

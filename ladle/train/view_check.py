@@ -21,7 +21,7 @@ from ladle.core.rundir import BASELINE, TRUNK
 from ladle.train.task import INGREDIENT
 
 VIEW_GAP_POINTS = 2.0  # the best model of a view this far below the baseline on validation: the view failed
-VIEW_AGREEMENT_MIN = 0.9  # below this, on every model of a view: it failed (tuning graphs 0.95-0.99, failed 0.4-0.75)
+VIEW_AGREEMENT_MIN = 0.9  # below this, on every model of a view: it failed (tuning graphs 0.95-1.00, failed 0.22-0.83)
 
 
 def view_failure(recipe: Recipe, metas: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -39,7 +39,7 @@ def view_failure(recipe: Recipe, metas: Mapping[str, Mapping[str, Any]]) -> dict
     baseline = metas.get(BASELINE)
     scored = {name: meta["val_acc"] for name, meta in on_graph.items() if "val_acc" in meta}
     if baseline is not None and "val_acc" in baseline and scored:
-        best = max(sorted(scored), key=scored.__getitem__)
+        best = _best(scored)
         gap = 100 * (baseline["val_acc"] - scored[best])
         if gap > VIEW_GAP_POINTS:
             return views | {"best": best, "best_val_acc": scored[best], "baseline_val_acc": baseline["val_acc"],
@@ -47,10 +47,15 @@ def view_failure(recipe: Recipe, metas: Mapping[str, Mapping[str, Any]]) -> dict
     agreements = {name: meta["view_agreement"] for name, meta in on_graph.items()
                   if meta.get("view_agreement") is not None}
     if agreements:
-        best = max(sorted(agreements), key=agreements.__getitem__)
+        best = _best(agreements)
         if agreements[best] < VIEW_AGREEMENT_MIN:
             return views | {"best": best, "agreement": agreements[best], "agreement_min": VIEW_AGREEMENT_MIN}
     return None
+
+
+def _best(figures: Mapping[str, float]) -> str:
+    """The name with the highest figure, the first by name on a tie."""
+    return max(sorted(figures), key=figures.__getitem__)
 
 
 def branches_hold_the_graph(metas: Mapping[str, Mapping[str, Any]]) -> bool:
