@@ -136,7 +136,7 @@ def failure_reason(failure: dict[str, Any]) -> str:
     if "gap_points" in failure:
         return f"{failure['best']} on it validated {failure['gap_points']:.1f} points below the full-graph baseline"
     agreement, least = 100 * failure["agreement"], 100 * failure["agreement_min"]
-    return (f"the model on it that agrees most, {failure['best']}, classifies {agreement:.0f} % of its training nodes "
+    return (f"the model on it that agrees most, {failure['best']}, classifies {agreement:.1f} % of its training nodes "
             f"the same in its batches as in the whole graph, < {least:.0f} %")
 
 
