@@ -8,7 +8,7 @@ on average, bench/RESULTS.md); or each classifies fewer than :data:`VIEW_AGREEME
 in its batches as in the whole graph (``view_agreement``, :func:`ladle.train.loop.view_agreement`): it learned
 batches unlike the graph, which needs no baseline to see. When a worker has held the whole graph (the baseline's, or
 the branches' of a sampled view), the launcher then trains the trunk and the branches again on it (view ``full``,
-the trunk too), and keeps the first ones aside; else it says so.
+the trunk too: :func:`fallback_recipe`), and keeps the first ones aside; else it says so.
 """
 from __future__ import annotations
 
