@@ -53,6 +53,8 @@ def test_a_view_fails_only_when_every_model_scored_on_the_whole_graph_is_far_bel
     assert (fallen.trunk.epochs, fallen.trunk.lr, fallen.trunk.keep) == (200, 0.01, "best")  # as the baseline trains
     sampled = load_recipe(None)
     assert fallback_recipe(sampled).trunk == dataclasses.replace(sampled.trunk, view="")  # short by design: kept
+    trunkless = load_recipe("cora-gcn", ["view.kind=metis"])  # its parts' models train as the baseline already
+    assert fallback_recipe(trunkless).trunk.epochs == 0 and fallback_recipe(trunkless).view.kind == "full"
 
 
 def _agreeing(agreement: float | None, role: str = "ingredient", on: str = "graph") -> dict[str, object]:

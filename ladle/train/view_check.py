@@ -67,11 +67,11 @@ def branches_hold_the_graph(metas: Mapping[str, Mapping[str, Any]]) -> bool:
 
 def fallback_recipe(recipe: Recipe) -> Recipe:
     """``recipe`` with every ingredient and the trunk on ``view.fallback`` (the whole graph); all else as it was, but
-    for a partition recipe's trunk, which then trains as the baseline does (``trunk.epochs + epochs`` at ``lr``,
-    keeping its best): its branches only fine-tune (``branch.lr`` well under ``lr``), so the trunk is the model,
-    and its epochs were counted for a view of several batches an epoch, where the whole graph makes one step."""
+    for a partition recipe's trunk (if it has one), which then trains as the baseline does (``trunk.epochs + epochs``
+    at ``lr``, keeping its best): its branches only fine-tune (``branch.lr`` well under ``lr``), so the trunk is the
+    model, and its epochs were counted for a view of several batches an epoch, where the whole graph makes one step."""
     trunk = dataclasses.replace(recipe.trunk, view="")
-    if recipe.view.kind in PARTITION_KINDS:
+    if recipe.view.kind in PARTITION_KINDS and recipe.trunk.epochs > 0:
         trunk = dataclasses.replace(trunk, epochs=recipe.trunk.epochs + recipe.epochs, lr=recipe.lr,
                                     schedule="constant", keep="best")
     return recipe.replace(view=ViewConfig(kind=recipe.view.fallback), trunk=trunk)
