@@ -148,6 +148,23 @@ def test_saint_normalisation_is_unbiased(cora: Data, kind: str) -> None:
     assert abs(mean(aggregated) / cora.num_edges - 1) < 0.1
 
 
+def test_saint_edge_draws_a_directed_graphs_edges_by_their_undirected_degrees() -> None:
+    """Every edge ``u -> v`` of this graph has ``u > v`` and node 39 has no in-edge: each edge is one pair all the
+    same, drawn with ``p ∝ 1/deg(u) + 1/deg(v)`` for the degrees of the graph taken as undirected (finite)."""
+    n = 40
+    src = torch.cat([torch.arange(1, n), torch.arange(2, n)])  # i + 1 -> i and i + 2 -> i
+    dst = torch.cat([torch.arange(n - 1), torch.arange(n - 2)])
+    data = Data(x=torch.randn(n, 4), y=torch.zeros(n, dtype=torch.long), edge_index=torch.stack([src, dst]),
+                train_mask=torch.ones(n, dtype=torch.bool), val_mask=torch.zeros(n, dtype=torch.bool),
+                test_mask=torch.zeros(n, dtype=torch.bool))
+    view = build_view(data, ViewConfig(kind="saint-edge", batch_size=5, sample_coverage=1), 0, 1, seed=0)
+    assert _edge_set(view.pairs) == {(int(v), int(u)) for u, v in zip(src, dst)}
+    degree = torch.bincount(torch.cat([src, dst]), minlength=n).double()
+    assert torch.equal(view.edge_prob, 1 / degree[view.pairs[0]] + 1 / degree[view.pairs[1]])
+    drawn = torch.cat([batch.n_id for epoch in range(10) for batch in view.batches(epoch)]).unique()
+    assert torch.equal(drawn, torch.arange(n))
+
+
 def test_saint_batch_size_sets_the_subgraph_size(cora: Data) -> None:
     node = build_view(cora, ViewConfig(kind="saint-node", batch_size=100, sample_coverage=1), 0, 1, seed=0)
     edge = build_view(cora, ViewConfig(kind="saint-edge", batch_size=100, sample_coverage=1), 0, 1, seed=0)

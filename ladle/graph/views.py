@@ -233,6 +233,19 @@ class ClusterView(IngredientView):
             yield batch_graph(self.data, nodes, edge_index, self.data.train_mask[nodes], self.batch_features)
 
 
+def _undirected_pairs(adj: InEdges) -> tuple[Tensor, Tensor]:
+    """Each edge ``{u, v}`` of the graph taken as undirected, once, as a ``[2, E']`` tensor, and every node's degree
+    there: the in-edges with ``u < v`` in CSR order, then the one-way edges ``u -> v`` with ``u > v`` (no ``v -> u``:
+    a directed graph). On an undirected graph, the in-edge CSR's own pairs and in-degrees."""
+    src, dst, n = adj.src, adj.dst, adj.num_nodes
+    keys = dst * n + src  # sorted: the CSR's order
+    reverse = src * n + dst
+    one_way = keys[torch.searchsorted(keys, reverse).clamp_(max=keys.numel() - 1)] != reverse
+    canonical, flipped = src < dst, one_way & (src > dst)
+    pairs = torch.cat([torch.stack([src[canonical], dst[canonical]]), torch.stack([dst[flipped], src[flipped]])], 1)
+    return pairs, adj.deg + torch.bincount(src[one_way], minlength=n)  # u of a one-way u -> v gains v
+
+
 class SaintView(IngredientView):
     """GraphSAINT (Zeng et al., 2020): induced subgraphs of sampled nodes, with its loss and aggregator weights.
 
@@ -268,11 +281,10 @@ class SaintView(IngredientView):
             self.budget = min(config.batch_size or nodes_per_sample, num_nodes)  # more draws than nodes: no more nodes
             nodes_per_sample = self.budget
         elif self.kind == "saint-edge":
-            canonical = self.adj.src < self.adj.dst
-            self.pairs = torch.stack([self.adj.src[canonical], self.adj.dst[canonical]])
+            self.pairs, degree = _undirected_pairs(self.adj)
             if self.pairs.size(1) == 0:
                 raise ValueError("view.kind=saint-edge needs a graph with edges")
-            inv_deg = 1.0 / self.adj.deg.double()
+            inv_deg = 1.0 / degree.double()
             self.edge_prob = inv_deg[self.pairs[0]] + inv_deg[self.pairs[1]]
             self.budget = min(config.batch_size or math.ceil(nodes_per_sample / 2), self.pairs.size(1))
             nodes_per_sample = 2 * self.budget
