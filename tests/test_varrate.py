@@ -474,6 +474,8 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(data_root: Path, tmp_pa
 def test_cli_rejects_bad_input(data_root: Path) -> None:
     for args, message in [(["model=gat"], "varrate supports gcn/sage"), (["norm=batch"], "norm=none or norm=layer"),
                           (["--rate-min", "8", "--rate-max", "4"], "1 <= --rate-min <= --rate-max"),
+                          (["--rate-max", "inf"], "--rate-max, finite; got 1.0, inf"),
+                          (["--schedule", "step", "--rate-steps", "4,nan"], "must all be >= 1 and finite"),
                           (["--rate-steps", "64,x"], "comma-separated numbers"),
                           (["--eval-every", "0"], "--eval-every must be >= 1 epoch, got 0"),
                           (["--ranks", "3000"], "cannot split 2708 nodes into 3000 workers"),

@@ -187,12 +187,13 @@ class RateSchedule:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise LadleError(f"--schedule must be one of {', '.join(SCHEDULES)}; got {self.kind!r}")
-        if not 1 <= self.rate_min <= self.rate_max:
-            raise LadleError(f"rates must satisfy 1 <= --rate-min <= --rate-max; got {self.rate_min}, {self.rate_max}")
+        if not 1 <= self.rate_min <= self.rate_max < math.inf:
+            raise LadleError(f"rates must satisfy 1 <= --rate-min <= --rate-max, finite; got {self.rate_min}, "
+                             f"{self.rate_max}")
         if not 0 < self.fraction <= 1:
             raise LadleError(f"--rate-fraction must be in (0, 1]; got {self.fraction}")
-        if any(rate < 1 for rate in self.steps):
-            raise LadleError(f"--rate-steps must all be >= 1; got {list(self.steps)}")
+        if not all(1 <= rate < math.inf for rate in self.steps):
+            raise LadleError(f"--rate-steps must all be >= 1 and finite; got {list(self.steps)}")
         if self.patience < 1:
             raise LadleError(f"--rate-patience must be >= 1 epoch; got {self.patience}")
         if not 0 <= self.tolerance < 1:
