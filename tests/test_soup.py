@@ -473,6 +473,26 @@ def test_metrics_helper() -> None:
     assert abs(result.acc - 2 / 3) < 1e-6 and result.loss > 0
 
 
+def test_ingredient_rows_are_whole_splits_where_candidates_are_scored_on_a_sample(
+        cora_run: Path, cora_data, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At scale candidates are compared on a validation sample; the report's ingredient rows, and its best and mean
+    ingredient, are whole splits all the same, as its soups' and references' rows are."""
+    for module in ("pipeline", "evaluator"):
+        monkeypatch.setattr(f"ladle.soup.{module}.LAYERWISE_NODES", 2708)
+    monkeypatch.setattr(evaluation, "VALIDATION_SAMPLE", 100)
+    report = soup_run(cora_run, method="uniform", data_root=data_root, write=False)
+    assert report["validation"]["nodes"] == 100
+    evaluator = Evaluator(load_recipe("cora-gcn"), cora_data)
+    sampled = []
+    for row in report["ingredients"]:
+        state = load_state(cora_run / f"{row['name']}.safetensors")
+        whole = evaluator.split(state, "val_mask")
+        assert row["val_acc"] == pytest.approx(whole.acc) and row["val_loss"] == pytest.approx(whole.loss, abs=1e-5)
+        sampled.append(Evaluator(load_recipe("cora-gcn"), cora_data, layerwise=True).validation(state).acc)
+    assert [row["val_acc"] for row in report["ingredients"]] != pytest.approx(sampled)  # the sample's would differ
+    assert report["mean_ingredient"]["val_acc"] == pytest.approx(sum(r["val_acc"] for r in report["ingredients"]) / 4)
+
+
 def test_the_default_soup_takes_bounded_forms_on_a_large_graph(cora_run: Path, data_root: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """From ``LAYERWISE_NODES`` nodes on (lowered here to Cora's size), ``--method all`` leaves out the learned

@@ -138,9 +138,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
             val = score(state)
         else:
             bar.update(1)
-        ingredient_val.append(val)
-        rows.append({"name": name, "kind": "ingredient", "val_acc": val.acc, "val_loss": val.loss,
-                     "test_acc": evaluator.split_metrics(logits)["test_acc"]})
+        ingredient_val.append(val)  # what the soups order and compare candidates by (at scale, a sample's figure)
+        rows.append({"name": name, "kind": "ingredient", **evaluator.split_metrics(logits)})  # whole splits
     order = sorted(range(len(bundle.states)), key=lambda i: ingredient_val[i].key(metric), reverse=True)
     setup_seconds = time.perf_counter() - start
 
