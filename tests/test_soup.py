@@ -405,6 +405,9 @@ def test_soup_cli_options_reach_the_soup(cora_run: Path, data_root: Path, tmp_pa
     assert "soup-gis" in capsys.readouterr().out
     with pytest.raises(LadleError, match="--grid must be >= 2"):
         soup_main(["--run-dir", str(run), "--data-root", str(data_root), "--grid", "1"])
+    for options, message in (({"grid": 0}, "--grid must be >= 2; got 0"), ({"search": "fsat"}, "got 'fsat'")):
+        with pytest.raises(LadleError, match=message):  # the library call checks what the command line does
+            soup_run(run, method="gis", data_root=data_root, write=False, **options)
 
 
 def test_real_soups_keep_validation_and_beat_the_mean_ingredient(cora_run: Path, cora_data, data_root: Path) -> None:
@@ -448,6 +451,13 @@ def test_corrupt_ingredient_is_named_or_skipped(cora_run: Path, data_root: Path,
         soup_run(run, method="uniform", data_root=data_root, write=False)
     report = soup_run(run, method="uniform", skip_bad=True, data_root=data_root, write=False)
     assert list(report["skipped"]) == ["ingredient-02"] and len(report["ingredients"]) == 3
+    meta = run / "ingredient-01.json"
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"recipe": 5}))  # valid JSON, not a recipe
+    with pytest.raises(LadleError, match="ingredient-01.safetensors does not match the run's recipe .a recipe that "
+                                         "is not a mapping: int"):
+        soup_run(run, method="uniform", data_root=data_root, write=False)
+    report = soup_run(run, method="uniform", skip_bad=True, data_root=data_root, write=False)
+    assert list(report["skipped"]) == ["ingredient-01", "ingredient-02"]
 
 
 def test_mismatched_ingredient_is_refused(cora_run: Path, data_root: Path, tmp_path: Path) -> None:

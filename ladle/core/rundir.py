@@ -405,6 +405,8 @@ def check_varrate_dir(run_dir: Path) -> None:
 def recipe_difference(found: dict[str, Any], expected: dict[str, Any]) -> str:
     """'' when two recipes are the same once defaults are filled in, else each difference: ``hidden 32,
     run.json 64``."""
+    if not isinstance(found, dict):
+        return f"a recipe that is not a mapping: {type(found).__name__}"
     try:
         ours, theirs = (_flat(recipe_from_dict(values).to_dict()) for values in (found, expected))
     except LadleError as error:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from ladle.core.errors import LadleError
 from ladle.core.recipe import SOUP_METRICS
 from ladle.core.rundir import RunDir
 from ladle.nn.custom import import_model_class
@@ -40,8 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ladle.soup``."""
     args = build_parser().parse_args(argv)
-    if args.grid is not None and args.grid < 2:
-        raise LadleError("--grid must be >= 2")
     report = soup_run(args.run_dir, args.method, args.grid, args.search, args.metric, args.recompute_bn,
                       args.skip_bad, args.data_root, allow_other_data=args.allow_other_data,
                       model=import_model_class(args.model_class) if args.model_class else None,

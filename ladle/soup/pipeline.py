@@ -20,7 +20,7 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import SOUP_METRICS, Recipe, recipe_from_dict
+from ladle.core.recipe import SOUP_METRICS, SOUP_SEARCHES, Recipe, recipe_from_dict
 from ladle.core.rundir import (
     AVERAGED,
     BASELINE,
@@ -89,11 +89,16 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     bundle = load_ingredients(files.path, skip_bad, model)  # each checked against run.json's recipe
     options = recipe.soup
     method = method or options.method
-    grid = grid or options.grid
-    fast = (search or options.search) == "fast"
+    grid = options.grid if grid is None else grid
+    searched = options.search if search is None else search
     metric = metric or options.metric
+    if grid < 2:
+        raise LadleError(f"--grid must be >= 2; got {grid}")
+    if searched not in SOUP_SEARCHES:
+        raise LadleError(f"--search must be one of {', '.join(SOUP_SEARCHES)}; got {searched!r}")
     if metric not in SOUP_METRICS:
         raise LadleError(f"--metric must be one of {', '.join(SOUP_METRICS)}")
+    fast = searched == "fast"
     recompute = options.recompute_bn if recompute_bn is None else recompute_bn
     methods, scaled = chosen_methods(method), None
     if method == ALL_METHODS and int(run["dataset"].get("nodes", 0)) >= LAYERWISE_NODES:
