@@ -2,6 +2,7 @@
 logits (``ladle.predict``) score exactly what the run's report and JSON say; a wrong name or graph is one line."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import ladle
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import read_json
+from ladle.core.storage import read_json, write_json
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,17 @@ def test_a_wrong_name_or_graph_is_one_line(souped: tuple[Path, dict], cora_data)
     narrow.x = narrow.x[:, :10]
     with pytest.raises(LadleError, match="the graph has 10 features per node, the model takes 1433"):
         ladle.predict(run, narrow, "trunk")
+
+
+def test_a_run_without_a_chosen_soup_says_why(souped: tuple[Path, dict], tmp_path: Path) -> None:
+    """No report: soup it; a report whose soups were all fitted on validation (learned: never chosen): name one."""
+    run = tmp_path / "run"
+    shutil.copytree(souped[0], run)
+    report = read_json(run / "report.json")
+    write_json(run / "report.json", report | {"parallel_phase": None})
+    with pytest.raises(LadleError, match=r"soup report chose no soup \(its soups were all fitted on validation nodes, "
+                                         r"never chosen\): name a model \(it has: ingredient-00"):
+        ladle.load_model(run)
+    (run / "report.json").unlink()
+    with pytest.raises(LadleError, match=r"has no soup report yet: soup it \(python -m ladle.soup --run-dir "):
+        ladle.load_model(run)

@@ -174,10 +174,13 @@ def _load(run_dir: str | Path | None, name: str | None, model_class: ModelFactor
     path = resolve_run_dir(run_dir)
     run, files = read_run(path), RunDir(path)
     if name is None:
-        chosen = read_json(files.report_json).get("parallel_phase") if files.report_json.is_file() else None
-        if not chosen:
+        if not files.report_json.is_file():
             raise LadleError(f"{path} has no soup report yet: soup it (python -m ladle.soup --run-dir {path}) or name "
                              f"a model (it has: {_saved_models(files)})")
+        chosen = read_json(files.report_json).get("parallel_phase")
+        if not chosen:
+            raise LadleError(f"{path}'s soup report chose no soup (its soups were all fitted on validation nodes, "
+                             f"never chosen): name a model (it has: {_saved_models(files)})")
         name = str(chosen["best_soup"])
     weights = files.weights(name)
     if not weights.is_file():
