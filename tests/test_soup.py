@@ -175,6 +175,8 @@ def test_learned_partition_never_builds_the_whole_graph(cora_run: Path, cora_dat
     (soup,) = report["soups"]
     assert soup["method"] == "learned-partition" and soup["test_acc"] > 0.7
     assert sizes and max(sizes) < whole  # every step ran on a few parts
+    assert soup["fitted"] and report["parallel_phase"] is None  # its validation figure chooses nothing
+    assert "soup-learned-partition" in format_table(report).split("fitted on validation nodes (its val is not")[0]
 
 
 def _curve_key(point: list[float] | tuple[float, float, float], metric: str) -> tuple[float, ...]:

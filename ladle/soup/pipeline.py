@@ -286,7 +286,7 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str], settin
     if evaluator.recompute_bn and evaluator.model.has_batch_norm():
         result.state = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
     return {"name": soup_name(result.method), "kind": "soup", "method": result.method,
-            **evaluator.split_metrics(logits), "evaluations": result.evaluations,
+            "fitted": SOUPS[result.method].fitted, **evaluator.split_metrics(logits), "evaluations": result.evaluations,
             "kept": [TRUNK if i == TRUNK_INDEX else names[i] for i in result.kept], "alphas": result.alphas,
             "curves": result.curves,
             "seconds": result.seconds, **settings, **result.report_fields(),

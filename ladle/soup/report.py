@@ -30,6 +30,8 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
         note = f"{soup['evaluations']} evals, kept {len(soup['kept'])}"
         if "held_out_val_acc" in soup:
             note += f", held-out val {soup['held_out_val_acc']:.4f}"
+        if soup.get("fitted"):
+            note += ", fitted on validation nodes (its val is not a fair figure)"
         if soup["alphas"]:
             note += ", alphas " + " ".join(f"{a:.2f}" for a in soup["alphas"])
         rows.append((soup["name"], soup["val_acc"], soup["test_acc"], note))
