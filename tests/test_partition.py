@@ -249,6 +249,10 @@ def test_metis_sees_a_directed_graph_made_symmetric(cora_data: Data) -> None:
     rows = torch.repeat_interleave(torch.arange(5), starts.diff())
     pairs = sorted(zip(rows.tolist(), neighbours.tolist()))
     assert pairs == sorted({(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (3, 0), (0, 3), (0, 2), (2, 0)})
+    # as many entries as its union with the reverse, yet one-way and repeated: 0 -> 1 twice, a symmetric triangle
+    repeated = torch.tensor([[0, 0, 2, 3, 3, 4], [1, 1, 3, 2, 4, 3]])
+    starts, neighbours = partition_module._symmetric(*partition_module._metis_input(InEdges(repeated, 5), 0))
+    assert neighbours.tolist() == [1, 0, 3, 2, 4, 3] and starts.tolist() == [0, 1, 2, 3, 5, 6]
     one_way = cora_data.edge_index[:, cora_data.edge_index[0] < cora_data.edge_index[1]]  # each edge in one direction
     parts = metis_partition(InEdges(one_way, cora_data.num_nodes), K, 0)
     assert torch.equal(parts, metis_partition(adj, K, 0))  # the same graph to METIS, so the same parts

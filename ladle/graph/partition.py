@@ -284,9 +284,11 @@ def _symmetric(starts: Tensor, adjacency: Tensor) -> tuple[Tensor, Tensor]:
     already are symmetric and free of repeated edges."""
     num_nodes = starts.numel() - 1
     rows = torch.repeat_interleave(torch.arange(num_nodes), starts.diff())
-    union = torch.unique(torch.cat([rows * num_nodes + adjacency, adjacency * num_nodes + rows]))
-    del rows
-    if union.numel() == adjacency.numel():
+    forward = rows * num_nodes + adjacency
+    increasing = bool((forward[1:] > forward[:-1]).all())  # sorted rows without a repeated entry (a CSR of InEdges')
+    union = torch.unique(torch.cat([forward, adjacency * num_nodes + rows]))
+    del rows, forward
+    if increasing and union.numel() == adjacency.numel():  # then every entry's reverse is one of them
         return starts, adjacency
     symmetric = torch.zeros(num_nodes + 1, dtype=torch.long)
     symmetric[1:] = torch.cumsum(torch.bincount(union // num_nodes, minlength=num_nodes), 0)
