@@ -11,6 +11,7 @@ import torch
 from conftest import TRUNKLESS
 from torch_geometric.data import Data
 
+from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import StateDict, load_state
 from ladle.nn.models import build_model
@@ -71,6 +72,21 @@ def test_independent_init_draws_each_ingredient_from_its_own_seed(data_root: Pat
         assert _distance(state, drawn) < 1e-4 < 0.01 < _distance(state, shared), k
     assert min(_distance(weights[i], weights[j]) for i in range(3) for j in range(i + 1, 3)) > 0.01
     assert json.loads((run / "run.json").read_text())["init"] == "independent"
+
+
+def test_average_every_refuses_a_users_folder_and_bad_counts_before_making_one(tmp_path: Path) -> None:
+    """A folder of a user's files is refused, nothing in it replaced; a refused count leaves no run directory."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "metrics.csv").write_text("my,own,data\n1,2,3\n")
+    with pytest.raises(LadleError, match="holds files but no ladle run .metrics.csv.: choose a new or empty"):
+        train_main(["--average-every", "2", "-k", "2", "--run-dir", str(folder)])
+    assert [p.name for p in folder.iterdir()] == ["metrics.csv"] and "my,own" in (folder / "metrics.csv").read_text()
+    for flags, message in ((["--average-every", "0"], "--average-every must be >= 1 epoch, got 0"),
+                           (["--average-every", "2", "-k", "0"], "--ingredients must be >= 1, got 0")):
+        with pytest.raises(LadleError, match=message):
+            train_main([*flags, "--run-dir", str(tmp_path / "new")])
+        assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -362,12 +362,8 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
     ladle run (a user's folder: nothing of it is replaced)."""
     files = RunDir(run_dir)
     if not files.run_json.is_file():
-        ours = {files.lock.name, files.workers_lock.name, files.init.name, files.partition.name,
-                files.shards.name}  # before run.json
-        foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in ours) if run_dir.is_dir() else []
-        if foreign:
-            raise LadleError(f"run directory {run_dir} holds files but no ladle run ({', '.join(foreign[:3])}"
-                             f"{', ...' if len(foreign) > 3 else ''}): choose a new or empty --run-dir")
+        if run_dir.is_dir():
+            _refuse_foreign(run_dir, "ladle run", files.init, files.partition, files.shards)  # before run.json
         return
     existing = read_json(files.run_json)
     differences = [f"{key} {run[key]!r}, run.json {existing.get(key)!r}"
@@ -390,12 +386,30 @@ def check_varrate_dir(run_dir: Path) -> None:
         raise LadleError(f"run directory {run_dir} holds a ladle.train run (run.json); a varrate run goes in a "
                          "folder of its own (choose another --run-dir)")
     files = RunDir(run_dir)
-    ours = {path.name for path in (files.lock, files.workers_lock, files.varrate_model, files.varrate_json,
-                                   files.report_md, files.metrics, files.bytes_plot, files.tensorboard,
-                                   *files.metrics_parts())}
-    foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in ours)
+    _refuse_foreign(run_dir, "varrate run", files.varrate_model, files.varrate_json, files.report_md, files.metrics,
+                    files.bytes_plot, files.tensorboard, *files.metrics_parts())
+
+
+def check_averaging_dir(run_dir: Path) -> None:
+    """Refuse a ``--run-dir`` for ``ladle.train --average-every`` that is a file or holds anything but a ladle.train
+    run (averaging is written beside it, to compare) or an earlier averaging run (replaced; its training curves
+    are ``metrics.csv`` only where its ``averaged.json`` is)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LadleError(f"run directory {run_dir} is not a directory (choose another --run-dir)")
+    files = RunDir(run_dir)
+    if run_dir.is_dir() and not files.run_json.exists():
+        curves = [files.metrics, *files.metrics_parts()] if files.meta(AVERAGED).exists() else []
+        _refuse_foreign(run_dir, "ladle run", files.weights(AVERAGED), files.meta(AVERAGED), files.tensorboard,
+                        *curves)
+
+
+def _refuse_foreign(run_dir: Path, what: str, *ours: Path) -> None:
+    """Refuse ``run_dir`` if it holds anything but ``ours`` and its locks: a user's folder, nothing of it replaced."""
+    files = RunDir(run_dir)
+    known = {path.name for path in (files.lock, files.workers_lock, *ours)}
+    foreign = sorted(entry.name for entry in run_dir.iterdir() if entry.name not in known)
     if foreign:
-        raise LadleError(f"run directory {run_dir} holds files but no varrate run ({', '.join(foreign[:3])}"
+        raise LadleError(f"run directory {run_dir} holds files but no {what} ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}): choose a new or empty --run-dir")
 
 

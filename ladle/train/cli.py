@@ -25,6 +25,7 @@ from ladle.core.rundir import (
     RunDir,
     asked_recipe,
     averaging_run_dir,
+    check_averaging_dir,
     check_free,
     lock_run_dir,
     make_run_dir,
@@ -38,7 +39,7 @@ from ladle.nn.models import check_fits
 from ladle.train.curves import LOGGERS, check_loggers
 from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.periodic import train_with_averaging
-from ladle.train.task import SAVE_EVERY
+from ladle.train.task import SAVE_EVERY, check_ingredients
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +155,11 @@ def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
 def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
     torch.set_num_threads(args.workers or torch.get_num_threads())
+    if args.average_every < 1:
+        raise LadleError(f"--average-every must be >= 1 epoch, got {args.average_every}")
+    check_ingredients(args.ingredients)
     run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
+    check_averaging_dir(run_dir)
     check_free(run_dir)
     data = load_dataset(recipe.dataset, args.data_root, recipe.split, recipe.features)
     check_fits(recipe, data.num_features, data.num_classes)
