@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,50 @@ def test_run_json_records_the_libraries_and_a_resume_with_others_says_so(data_ro
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming with other libraries than the run started with (torch 0.0.1 -> {torch.__version__})" in \
         resumed.stderr
+
+
+def test_a_resume_trains_with_the_recorded_threads_whatever_workers_says(data_root: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's thread count changes its floats, so a resume keeps the run's (``run.json``'s ``threads``), not
+    cores / the new ``--workers``."""
+    from ladle.core.recipe import load_recipe
+    from ladle.train.launch import resume_run, train_ingredients
+
+    monkeypatch.setattr("ladle.train.launch.available_cores", lambda: 2)
+    run = train_ingredients(load_recipe(None, [*TRUNKLESS, "view.kind=full", "epochs=2"]), ingredients=2, workers=1,
+                            run_dir=tmp_path / "run", data_root=data_root)
+    assert read_json(run.run_dir / "run.json")["threads"] == 2
+    (run.run_dir / "ingredient-01.json").unlink()
+    resume_run(run.run_dir, workers=2, data_root=data_root)
+    assert read_json(run.run_dir / "ingredient-01.json")["threads"] == 2  # cores // workers would be 1
+
+
+def test_a_resume_that_retrains_only_the_trunk_prepares_its_pruned_shards(data_root: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from ladle.core.recipe import load_recipe
+    from ladle.train.launch import resume_run, train_ingredients
+
+    monkeypatch.setenv("LADLE_CACHE", str(tmp_path / "cache"))
+    run = train_ingredients(load_recipe(None, ["view.kind=full", "trunk.epochs=2", "epochs=2"]), ingredients=1,
+                            workers=1, run_dir=tmp_path / "run", data_root=data_root)
+    trunk = run.run_dir / "trunk.safetensors"
+    trunk.write_bytes(trunk.read_bytes()[:100])
+    shutil.rmtree((run.run_dir / "shards").resolve())  # the cache entry pruned
+    resume_run(run.run_dir, data_root=data_root)
+    assert load_state(trunk) and read_json(run.run_dir / "trunk.json")["status"] == "done"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_run_resumed_without_cuda_is_one_line(data_root: Path, tmp_path: Path) -> None:
+    from ladle.core.recipe import load_recipe
+    from ladle.train.launch import resume_run, train_ingredients
+
+    run = train_ingredients(load_recipe(None, [*TRUNKLESS, "view.kind=full", "epochs=1"]), ingredients=1, workers=1,
+                            run_dir=tmp_path / "run", data_root=data_root)
+    write_json(run.run_dir / "run.json", read_json(run.run_dir / "run.json") | {"device": "cuda"})
+    (run.run_dir / "ingredient-00.json").unlink()
+    with pytest.raises(LadleError, match="--device cuda but no CUDA device is visible"):
+        resume_run(run.run_dir, data_root=data_root)
 
 
 def test_nan_loss_fails_that_ingredient_and_keeps_the_run(data_root: Path, tmp_path: Path) -> None:

@@ -149,8 +149,9 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
         if partition is not None:
             save_state(files.partition, {"parts": partition})
         shards.link(run_path)
+        threads = threads or max(1, available_cores() // workers)
         run_meta = spec.to_json() | {
-            "workers": workers, "device": device, "backend": backend,
+            "workers": workers, "threads": threads, "device": device, "backend": backend,
             "created": dt.datetime.now().isoformat(timespec="seconds"), "versions": library_versions(),
             "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
                         "features": graph["num_features"], "classes": graph["num_classes"]},
@@ -197,17 +198,22 @@ def resume_run(run_dir: str | Path | None = None, workers: int | None = None, da
         tasks = spec.tasks(run_path)
         expected = expected_shapes(run_meta, model)  # a finished checkpoint that does not load is trained again
         todo = [task for task in tasks if not verify_finished(task.files, task.name, expected)]
-        log.info("resuming %s: %d of %d still to train", run_path, len(todo), len(tasks))
+        trunk_todo = bool(spec.recipe.trunk.epochs) and not verify_finished(RunDir(run_path), TRUNK, expected)
+        log.info("resuming %s: %d of %d still to train%s", run_path, len(todo), len(tasks),
+                 ", and the trunk" if trunk_todo else "")
         changed = changed_versions(run_meta.get("versions"))
         if todo and changed:
             log.warning("resuming with other libraries than the run started with (%s): what is trained now may "
                         "differ from what an uninterrupted run would have trained", ", ".join(changed))
-        workers = _check_backend(backend, workers or run_meta.get("workers"), max(1, len(todo)))
+        workers = _check_backend(backend, run_meta.get("workers") if workers is None else workers, max(1, len(todo)))
+        device = run_meta.get("device", "cpu")
+        device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
         data_root = None if data_root is None else str(data_root)
-        if todo:  # the run's shards, from the cache (or prepared again if it was cleared)
+        if todo or trunk_todo:  # the run's shards, from the cache (or prepared again if it was cleared)
             prepare_shards(spec.recipe, spec.ingredients, data_root, graph=given).link(run_path)
-        return _execute(run_path, run_meta, spec, todo, workers, data_root, run_meta.get("device", "cpu"), backend,
-                        ray_options, graph=given)
+        # each worker's threads as recorded, whatever --workers is now: another count gives other floats
+        return _execute(run_path, run_meta, spec, todo, workers, data_root, device, backend, ray_options,
+                        run_meta.get("threads"), given)
 
 
 def _check_backend(backend: str, workers: int | None, tasks: int) -> int:
