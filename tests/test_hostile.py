@@ -289,8 +289,8 @@ def test_resume_refuses_flags_that_contradict_the_run(trunk_run: Path, data_root
                      "hidden 32, run.json 64; --ingredients 5, run.json 2. Drop them, or start a new run (another "
                      "--run-dir)"), error
     assert {path.name: path.stat().st_mtime_ns for path in run.iterdir()} == before
-    same = run_in_process("ladle.train", "--resume", "-k", "2", *TRUNKED, "--run-dir", str(run), "--data-root",
-                          str(data_root))  # flags that say what run.json says are accepted
+    same = run_in_process("ladle.train", "--resume", "-k", "2", *TRUNKED, "--device", "auto", "--run-dir", str(run),
+                          "--data-root", str(data_root))  # flags that say what run.json says are accepted (auto: cpu)
     assert same.returncode == 0, same.stderr
 
 

@@ -119,6 +119,8 @@ def test_a_resume_trains_with_the_recorded_threads_whatever_workers_says(data_ro
     (run.run_dir / "ingredient-01.json").unlink()
     resume_run(run.run_dir, workers=2, data_root=data_root)
     assert read_json(run.run_dir / "ingredient-01.json")["threads"] == 2  # cores // workers would be 1
+    with pytest.raises(LadleError, match="--workers must be >= 1, got 0"):
+        resume_run(run.run_dir, workers=0, data_root=data_root)
 
 
 def test_a_resume_that_retrains_only_the_trunk_prepares_its_pruned_shards(data_root: Path, tmp_path: Path,

@@ -20,6 +20,7 @@ from ladle.core.recipe import (
     recipe_from_args,
 )
 from ladle.core.recipe_files import recipe_names
+from ladle.core.resources import resolve_device
 from ladle.core.rundir import (
     AVERAGED,
     RunDir,
@@ -145,7 +146,7 @@ def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
         "--ingredients": (args.ingredients, run["ingredients"]), "init": (args.init, run["init"]),
         "--baseline": (args.baseline, bool(run.get("baseline"))),
         "--save-every": (args.save_every, run.get("save_every", SAVE_EVERY)),
-        "--device": (args.device, run.get("device", "cpu")),
+        "--device": (resolve_device("auto") if args.device == "auto" else args.device, run.get("device", "cpu")),
         "--log": (args.log and sorted(args.log), sorted(run.get("log", ())))})
     if contradictions:
         raise LadleError(f"--resume finishes the run as it was recorded, and these flags contradict it: "
