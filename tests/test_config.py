@@ -51,6 +51,10 @@ def test_overrides_reach_nested_keys_and_convert_types() -> None:
     assert recipe.lr == 1.0 and isinstance(recipe.lr, float)
     assert recipe.view.fanout == (5, 3)
     assert load_recipe(None, [*TRUNKLESS, "lr=1e-3"]).lr == 1e-3
+    # one value of a list key is a list of one, however the number is spelled (YAML reads 1e-4 as a string)
+    for spelled in ("0.0001", "1e-4", "[0.0001]"):
+        assert load_recipe(None, [f"branch.weight_decay={spelled}"]).branch.weight_decay == (0.0001,), spelled
+    assert load_recipe(None, ["branch.lr_scale=0.5", "view.fanout=10"]).branch.lr_scale == (0.5,)
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -249,7 +249,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         raise LadleError(f"recipe key '{key}' has a value of the wrong type: {_shown(value)}")
     if origin is tuple:
         (item_hint, _ellipsis) = typing.get_args(hint)
-        if isinstance(value, (int, str)) and not isinstance(value, bool):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # one value: a list of one
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise LadleError(f"recipe key '{key}' must be a list, got {_shown(value)}")
