@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import STARVED_VIEW, TRUNKLESS
 
+from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, check_same_run, run_difference
 from ladle.soup.pipeline import soup_run
@@ -115,8 +116,11 @@ def test_a_failed_view_is_trained_again_on_the_whole_graph(data_root: Path, tmp_
     record = json.loads((run_dir / "run.json").read_text())
     assert record["asked_recipe"]["view"]["kind"] == "saint-rw" and record["recipe"]["view"]["kind"] == "full"
     assert record["view_fallback"] == failure and record["trunk"]["view"]["kind"] == "full"
-    assert run_difference(record, recipe, {}) == ""  # the recipe asked for is still this run's (--resume, a rerun)
-    check_same_run(run_dir, {"recipe": recipe.to_dict(), "ingredients": 2, "init": "shared", "baseline": True})
+    assert run_difference(record, recipe, {}) == ""  # the recipe asked for is still this run's (--resume)
+    # a new run into it would branch from the whole graph's trunk
+    with pytest.raises(LadleError, match="holds this run, trained on the whole graph after its saint-rw view failed: "
+                                         "finish it with --resume"):
+        check_same_run(run_dir, {"recipe": recipe.to_dict(), "ingredients": 2, "init": "shared", "baseline": True})
     aside = run_dir / "failed-view"
     for name in (TRUNK, CONTINUED, "ingredient-00", "ingredient-01"):  # the first models, kept aside
         first = json.loads((aside / f"{name}.json").read_text())

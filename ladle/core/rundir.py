@@ -373,6 +373,10 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
     if differences:
         raise LadleError(f"run directory {run_dir} already holds another run ({'; '.join(differences)}): "
                          "finish it with --resume, or choose another --run-dir")
+    if existing.get("view_fallback"):  # its models are the whole graph's now: a new run would branch from its trunk
+        raise LadleError(f"run directory {run_dir} holds this run, trained on the whole graph after its "
+                         f"{existing['view_fallback'].get('view', 'view')} view failed: finish it with --resume, or "
+                         "choose another --run-dir")
 
 
 def check_varrate_dir(run_dir: Path) -> None:
