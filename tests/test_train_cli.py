@@ -74,16 +74,21 @@ def test_independent_init_draws_each_ingredient_from_its_own_seed(data_root: Pat
     assert json.loads((run / "run.json").read_text())["init"] == "independent"
 
 
-def test_average_every_refuses_a_users_folder_and_bad_counts_before_making_one(tmp_path: Path) -> None:
-    """A folder of a user's files is refused, nothing in it replaced; a refused count leaves no run directory."""
+def test_average_every_refuses_a_users_folder_and_bad_counts_before_making_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A folder of a user's files is refused, nothing in it replaced; a refused count leaves no run directory; flags
+    it does not use are refused, and a recipe's trunk it does not train is said."""
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "metrics.csv").write_text("my,own,data\n1,2,3\n")
     with pytest.raises(LadleError, match="holds files but no ladle run .metrics.csv.: choose a new or empty"):
         train_main(["--average-every", "2", "-k", "2", "--run-dir", str(folder)])
     assert [p.name for p in folder.iterdir()] == ["metrics.csv"] and "my,own" in (folder / "metrics.csv").read_text()
+    assert "--average-every trains no trunk and reads no branch.* key" in caplog.text  # the default recipe has one
     for flags, message in ((["--average-every", "0"], "--average-every must be >= 1 epoch, got 0"),
-                           (["--average-every", "2", "-k", "0"], "--ingredients must be >= 1, got 0")):
+                           (["--average-every", "2", "-k", "0"], "--ingredients must be >= 1, got 0"),
+                           (["--average-every", "2", "--device", "cuda", "--baseline", "--save-every", "1"],
+                            "on the CPU, and saves at the end: drop --device, --baseline, --save-every$")):
         with pytest.raises(LadleError, match=message):
             train_main([*flags, "--run-dir", str(tmp_path / "new")])
         assert not (tmp_path / "new").exists()

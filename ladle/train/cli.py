@@ -7,6 +7,7 @@ The command line over :func:`ladle.train.launch.train_ingredients` (one ingredie
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import (
+    BranchConfig,
     Recipe,
     add_recipe_arguments,
     override_recipe,
@@ -42,6 +44,7 @@ from ladle.train.launch import resume_run, train_ingredients
 from ladle.train.periodic import train_with_averaging
 from ladle.train.task import SAVE_EVERY, check_ingredients
 
+log = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m ladle.train`` command line."""
@@ -121,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.average_every is not None:
         if model_class is not None or recipe.model == "custom":
             raise LadleError("--average-every trains ladle's built-in models only (drop --model-class)")
+        unused = [flag for flag, given in (("--device", args.device not in (None, "cpu")),
+                                           ("--backend", args.backend not in (None, "local")),
+                                           ("--baseline", args.baseline), ("--shared/--independent-init", args.init),
+                                           ("--save-every", args.save_every is not None)) if given]
+        if unused:
+            raise LadleError(f"--average-every steps K trainers from one init in this process, on the CPU, and saves "
+                             f"at the end: drop {', '.join(unused)}")
+        if recipe.trunk.epochs or recipe.branch != BranchConfig():
+            log.warning("--average-every trains no trunk and reads no branch.* key: every trainer starts from the "
+                        "shared init at lr %g (the recipe's trunk and branch sections are not used)", recipe.lr)
         return _train_averaged(recipe, args)
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init or "shared", baseline=bool(args.baseline), data_root=args.data_root,
