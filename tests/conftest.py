@@ -174,7 +174,7 @@ def train_then_kill(args: list[str], run_dir: Path, marker: str) -> None:
 def lock_once_workers_exit(run_dir: Path, seconds: float = 30) -> None:
     """Take the run's lock as soon as a killed owner's workers have exited (refused until then), then let it go."""
     from ladle.core.errors import LadleError
-    from ladle.core.rundir import lock_run_dir
+    from ladle.core.runlock import lock_run_dir
 
     deadline = time.monotonic() + seconds
     while True:

@@ -24,7 +24,7 @@ from conftest import (
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
-from ladle.core.rundir import lock_run_dir
+from ladle.core.runlock import lock_run_dir
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
 
@@ -84,7 +84,7 @@ def test_a_second_train_is_refused_while_the_first_runs(data_root: Path, tmp_pat
 def test_a_worker_of_a_killed_launcher_keeps_the_run_owned(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    worker = subprocess.Popen([sys.executable, "-c", "import sys, time; from ladle.core.rundir import hold_as_worker; "
+    worker = subprocess.Popen([sys.executable, "-c", "import sys, time; from ladle.core.runlock import hold_as_worker; "
                                "hold_as_worker(sys.argv[1]); print('holding', flush=True); time.sleep(600)", str(run)],
                               cwd=PROJECT, stdout=subprocess.PIPE, text=True)
     try:

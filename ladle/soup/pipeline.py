@@ -27,12 +27,11 @@ from ladle.core.rundir import (
     CONTINUED,
     TRUNK,
     RunDir,
-    check_free,
-    lock_run_dir,
     read_run,
     resolve_run_dir,
     soup_name,
 )
+from ladle.core.runlock import check_free, lock_run_dir
 from ladle.core.storage import StateDict, read_json, save_state, write_json
 from ladle.core.versions import library_versions
 from ladle.graph.datasets import load_dataset

@@ -29,13 +29,12 @@ from ladle.core.rundir import (
     asked_recipe,
     averaging_run_dir,
     check_averaging_dir,
-    check_free,
-    lock_run_dir,
     make_run_dir,
     read_run,
     resolve_run_dir,
     run_difference,
 )
+from ladle.core.runlock import check_free, lock_run_dir
 from ladle.graph.datasets import load_dataset
 from ladle.nn.custom import import_model_class
 from ladle.nn.models import check_fits

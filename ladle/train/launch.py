@@ -32,15 +32,14 @@ from ladle.core.rundir import (
     CONTINUED,
     TRUNK,
     RunDir,
-    check_free,
     check_same_run,
-    lock_run_dir,
     make_run_dir,
     new_run_dir,
     read_run,
     resolve_run_dir,
     update_latest,
 )
+from ladle.core.runlock import check_free, lock_run_dir
 from ladle.core.storage import read_json, save_state, write_json
 from ladle.core.versions import changed_versions, library_versions
 from ladle.graph.given import user_graph

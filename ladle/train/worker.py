@@ -15,7 +15,7 @@ from torch_geometric.data import Data
 
 from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import die_with_parent, reset_peak_rss, return_free_memory
-from ladle.core.rundir import working_in
+from ladle.core.runlock import working_in
 from ladle.graph.inputs import GraphInputs
 from ladle.graph.shards import ShardSet, load_shard
 from ladle.train.loop import train_task

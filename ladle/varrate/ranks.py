@@ -19,13 +19,11 @@ from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores, die_with_parent, resolve_device
 from ladle.core.rundir import (
     RunDir,
-    check_free,
     check_varrate_dir,
-    hold_as_worker,
-    lock_run_dir,
     make_run_dir,
     new_run_dir,
 )
+from ladle.core.runlock import check_free, hold_as_worker, lock_run_dir
 from ladle.core.storage import read_json
 from ladle.graph.datasets import load_dataset
 from ladle.varrate.halo import partition_nodes
