@@ -34,6 +34,8 @@ def test_shipped_split_is_selected(data_root: Path) -> None:
     assert first.train_mask.dim() == 1 and not torch.equal(first.train_mask, second.train_mask)
     with pytest.raises(LadleError, match="ships 10 splits"):
         load_dataset("texas", data_root, split=10)
+    with pytest.raises(LadleError, match="split=7: a synthetic graph has one split, drawn from its seed"):
+        load_dataset("synthetic:nodes=100,degree=4,features=8,classes=3", split=7)
 
 
 def test_per_class_split_counts() -> None:

@@ -479,6 +479,8 @@ def test_cli_rejects_bad_input(data_root: Path) -> None:
                           (["--rate-steps", "64,x"], "comma-separated numbers"),
                           (["--eval-every", "0"], "--eval-every must be >= 1 epoch, got 0"),
                           (["--ranks", "3000"], "cannot split 2708 nodes into 3000 workers"),
+                          (["--ranks", "32", "dataset=texas"], r"--partition metis left ranks? [0-9, ]+ of 32 with no "
+                                                               "nodes; use fewer --ranks or --partition random"),
                           (["--device", "cuda", "--ranks", "64"], "--device cuda")]:
         with pytest.raises(LadleError, match=message):
             varrate_main(["--data-root", str(data_root), *args])

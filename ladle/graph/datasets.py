@@ -296,6 +296,9 @@ def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
     """
     key = name.lower()
     if key.startswith("synthetic"):
+        if split != 0:  # its masks come from its own seed (synthetic:...,seed=S)
+            raise LadleError(f"split={split}: a synthetic graph has one split, drawn from its seed; use split=0 and "
+                             "another seed= in its name")
         data = synthetic_graph(**parse_synthetic(key))
         return finish_graph(data, features == "normalize")
     source = _source(key)

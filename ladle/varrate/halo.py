@@ -101,7 +101,11 @@ def partition_nodes(data: Data, kind: str, parts: int, seed: int) -> Tensor:
     try:
         view = build_view(data, ViewConfig(kind=kind), 0, parts, seed)
     except ValueError as error:
-        raise LadleError(f"--partition {kind} with {parts} workers: {error}") from None
+        raise LadleError(f"--partition {kind} with {parts} ranks: {error}") from None
+    empty = (torch.bincount(view.parts, minlength=parts) == 0).nonzero().view(-1).tolist()  # type: ignore[attr-defined]
+    if empty:
+        raise LadleError(f"--partition {kind} left rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} of "
+                         f"{parts} with no nodes; use fewer --ranks or --partition random")
     return view.parts  # type: ignore[attr-defined]
 
 

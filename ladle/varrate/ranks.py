@@ -122,6 +122,7 @@ def check_inputs(recipe: Recipe, options: VarrateOptions, data_root: str | None)
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if options.ranks > data.num_nodes:
         raise LadleError(f"cannot split {data.num_nodes} nodes into {options.ranks} workers")
+    partition_nodes(data, options.partition, options.ranks, recipe.seed)  # a rank without nodes is refused now
 
 
 def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = None,
