@@ -304,3 +304,28 @@ def test_a_killed_soups_temporary_file_is_removed_by_the_next_owner(trunk_run: P
     soup_run(run, method="uniform", data_root=data_root)
     assert not list(run.glob(".*.tmp")) and (run / "soup-uniform.safetensors").is_file()
     assert not list(run.glob("metrics-*.csv")) and (run / "metrics.csv").is_file()
+
+
+def test_a_soup_killed_among_its_writes_leaves_no_report_naming_other_weights(
+        trunk_run: Path, data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report names the weights of the soup it chose: a write phase that stops after one soup of two leaves no
+    report (``load_model`` then says to soup the run), never the last one beside new weights."""
+    import ladle
+
+    run = copy_run(trunk_run, tmp_path)
+    soup_run(run, method="uniform", data_root=data_root)
+    assert (run / "report.json").is_file()
+    written: list[Path] = []
+
+    def dies_after_one(path: Path, state: dict) -> None:
+        if written:
+            raise KeyboardInterrupt  # what a kill between two writes looks like to the files
+        written.append(path)
+        save_state(path, state)
+
+    monkeypatch.setattr("ladle.soup.pipeline.save_state", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        soup_run(run, data_root=data_root)  # every method: uniform is written first
+    assert written == [run / "soup-uniform.safetensors"] and not (run / "report.json").exists()
+    with pytest.raises(LadleError, match="has no soup report yet: soup it"):
+        ladle.load_model(run)

@@ -197,6 +197,7 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     }
     if write:
         with lock_run_dir(files.path, "ladle.soup"):  # the write phase: soups, then the report
+            files.report_json.unlink(missing_ok=True)  # a crash among the soups leaves no report naming other weights
             for result, row in zip(soups, soup_rows):
                 save_state(files.weights(row["name"]), result.state)
                 write_json(files.meta(row["name"]), {k: v for k, v in row.items() if k != "curves"}
