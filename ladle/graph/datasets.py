@@ -287,8 +287,7 @@ def discard(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
-                 features: str = "auto") -> Data:
+def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0, features: str = "auto") -> Data:
     """Load ``name`` with its standard split as one PyG ``Data`` (``num_classes`` set on it).
 
     ``split`` picks one of the shipped splits, or seeds the per-class / random split.
@@ -296,11 +295,9 @@ def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0,
     """
     key = name.lower()
     if key.startswith("synthetic"):
-        if split != 0:  # its masks come from its own seed (synthetic:...,seed=S)
-            raise LadleError(f"split={split}: a synthetic graph has one split, drawn from its seed; use split=0 and "
-                             "another seed= in its name")
-        data = synthetic_graph(**parse_synthetic(key))
-        return finish_graph(data, features == "normalize")
+        if split != 0:  # its masks come from its own seed
+            raise LadleError(f"split={split}: a synthetic graph has one split, drawn from its seed (use split=0)")
+        return finish_graph(synthetic_graph(**parse_synthetic(key)), features == "normalize")
     source = _source(key)
     data = _cached_graph(key, source, resolve_data_root(data_root))
     data = _with_split(data, source.splits, split)
