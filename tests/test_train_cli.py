@@ -14,8 +14,10 @@ from torch_geometric.data import Data
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
 from ladle.core.storage import StateDict, load_state
+from ladle.core.weights import distance
 from ladle.nn.models import build_model
 from ladle.soup.cli import main as soup_main
+from ladle.soup.pipeline import soup_run
 from ladle.train.cli import main as train_main
 
 SHORT = ["-k", "2", "--workers", "1", *TRUNKLESS, "view.kind=cluster", "epochs=3"]
@@ -72,6 +74,10 @@ def test_independent_init_draws_each_ingredient_from_its_own_seed(data_root: Pat
         assert _distance(state, drawn) < 1e-4 < 0.01 < _distance(state, shared), k
     assert min(_distance(weights[i], weights[j]) for i in range(3) for j in range(i + 1, 3)) > 0.01
     assert json.loads((run / "run.json").read_text())["init"] == "independent"
+    # the soup report's distance from init is each ingredient's from its own draw, not from init.safetensors
+    basin = soup_run(run, method="uniform", data_root=data_root, write=False)["basin"]
+    assert basin["start"] == "init" and all(row["from_init"] < 0.01 for row in basin["distances"])
+    assert all(distance(state, shared) > 1 for state in weights)
 
 
 def test_average_every_refuses_a_users_folder_and_bad_counts_before_making_one(

@@ -39,6 +39,7 @@ from ladle.graph.given import user_graph
 from ladle.graph.shards import ShardSet, load_shard, shard_inputs
 from ladle.nn.custom import ModelFactory, check_model_class
 from ladle.nn.layerwise import LAYERWISE_MODELS, LayerwiseInference
+from ladle.nn.models import build_model
 from ladle.nn.saved import (
     Ingredients,
     check_same_data,
@@ -166,7 +167,9 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, bundle.names, settings, held_out.get(result.method))
                  for result in soups]
-    start = trunk if trunk is not None else check_weights(files.init, expected)
+    start: StateDict | list[StateDict] = trunk if trunk is not None else check_weights(files.init, expected)
+    if trunk is None and run.get("init") == "independent":  # none of them started from init.safetensors
+        start = _own_inits(recipe, evaluator.data, bundle.metas, model)
     path = [(bundle.names[i], bundle.states[i]) for i in order]  # greedy interpolation's: trunk first, then best-first
     basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], start,
                    "trunk" if trunk is not None else "init", evaluator.test_accuracy if test_barrier else None)
@@ -293,12 +296,25 @@ def _soup_row(result: SoupResult, evaluator: Evaluator, names: list[str], settin
             **({} if held_out is None else {"held_out_val_acc": held_out.acc, "held_out_val_loss": held_out.loss})}
 
 
-def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]], start: StateDict,
-           start_name: str, test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
+def _own_inits(recipe: Recipe, data: Data, metas: list[dict[str, Any]], model: ModelFactory | None
+               ) -> list[StateDict]:
+    """Each independently drawn ingredient's initial weights, drawn again from its seed as its training drew them."""
+    with torch.random.fork_rng(devices=[]):
+        inits = []
+        for meta in metas:
+            torch.manual_seed(meta["seed"])
+            inits.append(build_model(recipe, data.num_features, data.num_classes, model).state_dict())
+    return inits
+
+
+def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]],
+           start: StateDict | list[StateDict], start_name: str,
+           test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
     """Whether the ingredients sit in one basin: the barrier (:func:`ladle.soup.basin.barrier`, validation points)
     of every greedy-interpolation step (``path``: its start, then each step's ingredient, named) and, where
     ``test_accuracy`` is given, the same path's barrier on the test nodes; and each ingredient's
-    distance from the weights it started from (``start_name``: the trunk or the shared init) and from the soup (the
+    distance from the weights it started from (``start_name``: the trunk or the init: the shared one, or each one's own
+    in a run of independent inits, ``start`` a list) and from the soup (the
     first with interpolation curves, else the first soup made)."""
     interpolated = next((result for result in soups if result.curves), None)
     alphas, curves = ([], []) if interpolated is None else (interpolated.alphas, interpolated.curves)
