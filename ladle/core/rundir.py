@@ -264,9 +264,7 @@ def check_same_run(run_dir: Path, run: dict[str, Any]) -> None:
 def check_varrate_dir(run_dir: Path) -> None:
     """Refuse a ``--run-dir`` for ``ladle.varrate`` that is a file, holds a ``ladle.train`` run, or holds
     anything but a varrate run's files (an earlier varrate run there is replaced)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LadleError(f"run directory {run_dir} is not a directory (choose another --run-dir)")
-    if not run_dir.is_dir():
+    if not _existing_folder(run_dir):
         return
     if RunDir(run_dir).run_json.exists():
         raise LadleError(f"run directory {run_dir} holds a ladle.train run (run.json); a varrate run goes in a "
@@ -280,13 +278,18 @@ def check_averaging_dir(run_dir: Path) -> None:
     """Refuse a ``--run-dir`` for ``ladle.train --average-every`` that is a file or holds anything but a ladle.train
     run (averaging is written beside it, to compare) or an earlier averaging run (replaced; its training curves
     are ``metrics.csv`` only where its ``averaged.json`` is)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LadleError(f"run directory {run_dir} is not a directory (choose another --run-dir)")
     files = RunDir(run_dir)
-    if run_dir.is_dir() and not files.run_json.exists():
+    if _existing_folder(run_dir) and not files.run_json.exists():
         curves = [files.metrics, *files.metrics_parts()] if files.meta(AVERAGED).exists() else []
         _refuse_foreign(run_dir, "ladle run", files.weights(AVERAGED), files.meta(AVERAGED), files.tensorboard,
                         *curves)
+
+
+def _existing_folder(run_dir: Path) -> bool:
+    """Whether ``run_dir`` exists; a file there is refused."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LadleError(f"run directory {run_dir} is not a directory (choose another --run-dir)")
+    return run_dir.is_dir()
 
 
 def _refuse_foreign(run_dir: Path, what: str, *ours: Path) -> None:

@@ -40,8 +40,8 @@ from ladle.nn.custom import import_model_class
 from ladle.nn.models import check_fits
 from ladle.train.curves import LOGGERS, check_loggers
 from ladle.train.launch import resume_run, train_ingredients
-from ladle.train.periodic import train_with_averaging
-from ladle.train.task import SAVE_EVERY, check_ingredients
+from ladle.train.periodic import check_averaging, train_with_averaging
+from ladle.train.task import SAVE_EVERY
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,7 @@ def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
 def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
     torch.set_num_threads(args.workers or torch.get_num_threads())
-    if args.average_every < 1:
-        raise LadleError(f"--average-every must be >= 1 epoch, got {args.average_every}")
-    check_ingredients(args.ingredients)
+    check_averaging(args.ingredients, args.average_every)  # before any folder is made
     run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
     check_averaging_dir(run_dir)
     check_free(run_dir)

@@ -83,6 +83,13 @@ def average_models(models: list[GNN]) -> int:
     return sent
 
 
+def check_averaging(ingredients: int, average_every: int) -> None:
+    """Refuse fewer than one trainer or an averaging period under one epoch (a user error)."""
+    check_ingredients(ingredients)
+    if average_every < 1:
+        raise LadleError(f"--average-every must be >= 1 epoch, got {average_every}")
+
+
 def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_every: int,
                          run_dir: Path, log: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train ``ingredients`` trainers for ``recipe.epochs`` epochs, averaging every ``average_every``
@@ -92,10 +99,8 @@ def train_with_averaging(recipe: Recipe, data: Data, ingredients: int, average_e
     Every trainer's curve goes to ``metrics-averaged.csv`` (role ``averaged``, ``k`` the trainer; the
     validation of the averaged model at each average), merged into ``run_dir``'s ``metrics.csv``;
     ``log``: loggers besides the CSV (:mod:`ladle.train.curves`)."""
-    check_ingredients(ingredients)
+    check_averaging(ingredients, average_every)
     check_loggers(log)
-    if average_every < 1:
-        raise LadleError(f"--average-every must be >= 1 epoch, got {average_every}")
     start = time.perf_counter()
     files = RunDir(run_dir)
     full_inputs = graph_inputs(data, recipe.model)
