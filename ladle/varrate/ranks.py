@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ladle.core.collectives import ring_broadcast_bytes
 from ladle.core.errors import LadleError
@@ -55,9 +56,10 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 
 def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_root: str | None,
-                   local_rank: int, fetch_inputs: bool = True) -> RankData:
+                   local_rank: int, fetch_inputs: bool = True, parts: Tensor | None = None) -> RankData:
     """Load the dataset, partition it (rank 0, broadcast to all; the bytes counted as ``setup_bytes``) and
-    keep this rank's part; ``fetch_inputs``: with its halo's rows of the features (:meth:`RankData.fetch_inputs`).
+    keep this rank's part; ``fetch_inputs``: with its halo's rows of the features (:meth:`RankData.fetch_inputs`);
+    ``parts``: the partition when the launcher has computed it already (rank 0 broadcasts it as it is).
 
     The first rank of each machine loads (stages) the dataset before the others, so they never race
     on the cache.
@@ -68,8 +70,10 @@ def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_ro
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if local_rank == 0:
         dist.barrier()
-    parts = partition_nodes(data, partition, world, recipe.seed) if rank == 0 else torch.empty(
-        data.num_nodes, dtype=torch.long)
+    if rank != 0:
+        parts = torch.empty(data.num_nodes, dtype=torch.long)
+    elif parts is None:
+        parts = partition_nodes(data, partition, world, recipe.seed)
     parts = parts.to(device)
     dist.broadcast(parts, src=0)
     sent = ring_broadcast_bytes(parts.numel() * parts.element_size(), world, rank, src=0)
@@ -80,26 +84,29 @@ def load_rank_data(recipe: Recipe, partition: str, device: torch.device, data_ro
 
 
 def run_rank(recipe: Recipe, options: VarrateOptions, run_dir: Path | None, data_root: str | None, local_rank: int,
-             init_method: str = "env://", rank: int | None = None, world: int | None = None) -> dict[str, Any] | None:
-    """Everything one rank does: join the group, load its part, train, leave the group."""
+             init_method: str = "env://", rank: int | None = None, world: int | None = None,
+             parts: Tensor | None = None) -> dict[str, Any] | None:
+    """Everything one rank does: join the group, load its part (``parts``: the partition, when already computed),
+    train, leave the group."""
     torch.set_num_threads(options.threads)
     device = rank_device(options.device, local_rank)
     init_group(device, options.timeout, init_method, rank, world)
     try:
-        part = load_rank_data(recipe, options.partition, device, data_root, local_rank, options.cache_inputs)
+        part = load_rank_data(recipe, options.partition, device, data_root, local_rank, options.cache_inputs, parts)
         return train_partition(recipe, part, options, run_dir)
     finally:
         dist.destroy_process_group()
 
 
 def _spawned_rank(rank: int, world: int, port: int, recipe_dict: dict[str, Any], options: VarrateOptions,
-                  run_dir: Path, data_root: str | None) -> None:
+                  run_dir: Path, data_root: str | None, parts: Tensor) -> None:
     """Entry point of a rank started by :func:`run_spawned` (a fresh, spawned process): it dies with its launcher
     and keeps the run directory owned while it lives."""
     die_with_parent()
     hold_as_worker(run_dir)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_rank(recipe_from_dict(recipe_dict), options, run_dir, data_root, rank, f"tcp://127.0.0.1:{port}", rank, world)
+    run_rank(recipe_from_dict(recipe_dict), options, run_dir, data_root, rank, f"tcp://127.0.0.1:{port}", rank, world,
+             parts)
 
 
 def free_port() -> int:
@@ -114,15 +121,16 @@ def varrate_run_dir(schedule: str) -> Path:
     return new_run_dir(f"varrate-{schedule}")
 
 
-def check_inputs(recipe: Recipe, options: VarrateOptions, data_root: str | None) -> None:
-    """Reject bad input before any rank starts: model, rank count, dataset, partition (stages the data)."""
+def check_inputs(recipe: Recipe, options: VarrateOptions, data_root: str | None) -> Tensor:
+    """Reject bad input before any rank starts: model, rank count, dataset, partition (stages the data); return the
+    partition, which rank 0 then broadcasts instead of computing it again."""
     check_model(recipe)
     if options.ranks < 1:
         raise LadleError(f"--ranks must be >= 1, got {options.ranks}")
     data = load_dataset(recipe.dataset, data_root, recipe.split, recipe.features)
     if options.ranks > data.num_nodes:
         raise LadleError(f"cannot split {data.num_nodes} nodes into {options.ranks} workers")
-    partition_nodes(data, options.partition, options.ranks, recipe.seed)  # a rank without nodes is refused now
+    return partition_nodes(data, options.partition, options.ranks, recipe.seed)  # a rank without nodes: refused
 
 
 def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = None,
@@ -136,9 +144,9 @@ def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = 
     options = _resolve(options, options.ranks)
     run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
     _check_run_dir(run_path)
-    check_inputs(recipe, options, data_root)
+    parts = check_inputs(recipe, options, data_root)
     make_run_dir(run_path)
-    args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root)
+    args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root, parts)
     with lock_run_dir(run_path, "ladle.varrate"):
         check_varrate_dir(run_path)  # again, now that no one else can write it
         try:
