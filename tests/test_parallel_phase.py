@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ladle.core.recipe import Recipe, load_recipe, recipe_from_dict
-from ladle.core.rundir import RunDir
+from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import load_state
 from ladle.soup.crossfit import cross_fitted, pooled
 from ladle.soup.evaluator import Evaluator, SoupResult
@@ -18,6 +18,8 @@ from ladle.soup.methods import SOUPS, SoupInputs, SoupMethod
 from ladle.soup.pipeline import baseline_in_trunk_epochs, parallel_phase, soup_run
 from ladle.soup.report import format_table, trunk_line
 from ladle.train.launch import train_ingredients
+from ladle.train.loop import build_task_view
+from ladle.train.task import IngredientTask
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,21 @@ def test_the_trunk_continued_takes_a_branchs_steps_from_the_trunk(continued_run:
     assert continued["steps"] == branch["steps"] == 3 * 8  # 32 METIS parts, 4 a batch: 8 steps an epoch
     assert trunk["steps"] == 4 * 8 and continued["plan"]["lr"] == branch["plan"]["lr"]
     assert continued["seed"] not in (branch["seed"], trunk["seed"])
+
+
+def test_no_ingredient_replays_the_trunks_batches_and_the_continued_goes_on_with_them(cora_data, tmp_path) -> None:
+    recipe = Recipe()  # the default: the trunk and the branches both on random-walk views
+    tasks = [IngredientTask(None, 1, tmp_path, "shared", role=role) for role in (TRUNK, CONTINUED)]
+    views = {task.name: build_task_view(recipe, cora_data, task)
+             for task in tasks + [IngredientTask(k, 8, tmp_path, "shared") for k in range(8)]}
+    after_trunk = recipe.trunk.epochs  # where the continued takes the trunk's stream up
+    assert all(torch.equal(a.n_id, b.n_id) for a, b in zip(views[CONTINUED].batches(after_trunk),
+                                                           views[TRUNK].batches(after_trunk), strict=True))
+    trunk_batches = [batch.n_id for epoch in range(recipe.trunk.epochs) for batch in views[TRUNK].batches(epoch)]
+    for name, view in views.items():
+        if name not in (TRUNK, CONTINUED):  # 8 branches, 10 epochs each: none draws a subgraph the trunk drew
+            drawn = [batch.n_id for epoch in range(recipe.trunk.epochs) for batch in view.batches(epoch)]
+            assert not any(torch.equal(a, b) for a in drawn for b in trunk_batches if a.numel() == b.numel()), name
 
 
 def test_ingredients_differ_in_their_settings_as_the_recipe_says(continued_run: Path) -> None:

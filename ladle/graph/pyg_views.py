@@ -105,7 +105,7 @@ class PyGView:
 
     def __init__(self, base: IngredientView) -> None:
         self.base = base
-        self.kind, self.k, self.num_ingredients = base.kind, base.k, base.num_ingredients
+        self.kind, self.k, self.stream, self.num_ingredients = base.kind, base.k, base.stream, base.num_ingredients
         self.config, self.seed, self.data, self.num_classes = base.config, base.seed, base.data, base.num_classes
 
     @property
@@ -126,8 +126,8 @@ class PyGView:
         return {**self.base.describe(), "sampler": "pyg", "steps_per_epoch": self.steps_per_epoch()}
 
     def batches(self, epoch: int) -> Iterator[Data]:
-        """``steps_per_epoch`` batches of PyG's loader in ladle's format, deterministic given (seed, k, epoch)."""
-        generator = stream_generator(self.seed, _EPOCH_STREAM, self.k, epoch)
+        """``steps_per_epoch`` batches of PyG's loader in ladle's format, deterministic given (seed, stream, epoch)."""
+        generator = stream_generator(self.seed, _EPOCH_STREAM, self.stream, epoch)
         for batch in _draw(self.loader, self.steps_per_epoch(), generator):
             yield self._convert(batch)
 
@@ -176,7 +176,7 @@ class PyGSaintView(PyGView):
         super().__init__(base)
         sampler = _SAINT_SAMPLERS[self.kind]
         extra = {"walk_length": self.config.walk_length} if self.kind == "saint-rw" else {}
-        with _global_rng_from(stream_generator(self.seed, _NORM_STREAM, self.k)):
+        with _global_rng_from(stream_generator(self.seed, _NORM_STREAM, self.stream)):
             self.loader = sampler(_topology(self.data), batch_size=base.budget, num_steps=self.steps_per_epoch(),
                                   sample_coverage=self.config.sample_coverage, log=False, **extra)
         num_train = int(self.data.train_mask.sum())

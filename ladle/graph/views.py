@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 # Independent random streams derived from the run seed (values are part of the determinism contract).
 _PARTITION_STREAM, _NORM_STREAM, _EPOCH_STREAM = 0, 1, 2
+# The stream index of the trunk's view (and its continuation's): above any ingredient's k, so no ingredient
+# replays the trunk's batches.
+TRUNK_STREAM = 1 << 32
 # GraphSAINT subgraphs aim at about a quarter of the graph, capped at the paper's Reddit budget.
 _SAINT_MAX_NODES = 8000
 _NEIGHBOR_BATCH = 512
@@ -100,15 +103,17 @@ class IngredientView:
     ``static`` views (full, metis, random) yield their eval graph as the single batch of every epoch,
     so a trainer may cache its adjacency. ``batch_features``: whether sampled batches carry their dense ``x``
     (off when the trainer takes each batch's feature rows from the whole graph's sparse features).
+    ``stream``: the index its random streams are drawn from (``k``, the trunk's :data:`TRUNK_STREAM`).
     """
 
     static: bool = False
     batch_features: bool = True
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
+                 partition: Tensor | None = None, adj: InEdges | None = None, stream: int | None = None) -> None:
         self.kind = config.kind
         self.k = k
+        self.stream = k if stream is None else stream
         self.num_ingredients = num_ingredients
         self.config = config
         self.seed = seed
@@ -123,7 +128,7 @@ class IngredientView:
         return self._adj if self._adj is not None else InEdges(self.data.edge_index, self.data.num_nodes)
 
     def batches(self, epoch: int) -> Iterator[Data]:
-        """The training batches of one epoch (deterministic given ``seed``, ``k`` and ``epoch``)."""
+        """The training batches of one epoch (deterministic given ``seed``, ``stream`` and ``epoch``)."""
         yield self._eval
 
     def eval_graph(self) -> Data:
@@ -147,7 +152,7 @@ class IngredientView:
         }
 
     def _epoch_generator(self, epoch: int) -> torch.Generator:
-        return stream_generator(self.seed, _EPOCH_STREAM, self.k, epoch)
+        return stream_generator(self.seed, _EPOCH_STREAM, self.stream, epoch)
 
 
 class FullView(IngredientView):
@@ -166,8 +171,8 @@ class PartitionView(IngredientView):
     static = True
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
+                 partition: Tensor | None = None, adj: InEdges | None = None, stream: int | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj, stream=stream)
         if num_ingredients > data.num_nodes:
             raise ValueError(f"view.kind={self.kind}: cannot split {data.num_nodes} nodes into "
                              f"{num_ingredients} parts; use at most {data.num_nodes} ingredients")
@@ -208,8 +213,8 @@ class ClusterView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
+                 partition: Tensor | None = None, adj: InEdges | None = None, stream: int | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj, stream=stream)
         if config.parts > data.num_nodes:
             raise ValueError(f"view.parts={config.parts} is more than the {data.num_nodes} nodes of the graph")
         if config.parts_per_batch > config.parts:
@@ -269,8 +274,8 @@ class SaintView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
+                 partition: Tensor | None = None, adj: InEdges | None = None, stream: int | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj, stream=stream)
         num_nodes = data.num_nodes
         num_train = int(data.train_mask.sum())
         if num_train == 0:
@@ -321,7 +326,7 @@ class SaintView(IngredientView):
 
     def _normalisation(self, num_train: int) -> tuple[Tensor, Tensor]:
         """``(loss_weight per node, edge_weight per CSR edge)`` estimated from pre-sampled subgraphs."""
-        generator = stream_generator(self.seed, _NORM_STREAM, self.k)
+        generator = stream_generator(self.seed, _NORM_STREAM, self.stream)
         node_count = torch.zeros(self.adj.num_nodes, dtype=torch.float64)
         edge_count = torch.zeros(self.adj.src.numel(), dtype=torch.float64)
         num_samples = drawn = 0
@@ -358,8 +363,8 @@ class NeighborView(IngredientView):
     """
 
     def __init__(self, data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-                 partition: Tensor | None = None, adj: InEdges | None = None) -> None:
-        super().__init__(data, config, k, num_ingredients, seed, adj=adj)
+                 partition: Tensor | None = None, adj: InEdges | None = None, stream: int | None = None) -> None:
+        super().__init__(data, config, k, num_ingredients, seed, adj=adj, stream=stream)
         self.train_nodes = data.train_mask.nonzero().view(-1)
         if self.train_nodes.numel() == 0:
             raise ValueError("view.kind=neighbor needs train nodes; the train split is empty")
@@ -409,13 +414,14 @@ _VIEWS: dict[str, type[IngredientView]] = {
 }
 
 
-def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int,
-               partition: Tensor | None = None, adj: InEdges | None = None) -> IngredientView:
+def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, seed: int, partition: Tensor | None = None,
+               adj: InEdges | None = None, stream: int | None = None) -> IngredientView:
     """The view of ingredient ``k`` of ``num_ingredients`` (heavy preprocessing happens here, once).
 
     ``partition``: the node -> part ids of a ``metis``/``random``/``cluster`` view computed earlier
     (the launcher computes it once per run, so all workers use the same one). ``adj``: the graph's
-    in-edge CSR when the caller built it already (then ``data.edge_index`` is never read).
+    in-edge CSR when the caller built it already (then ``data.edge_index`` is never read). ``stream``: the
+    index of its random batch streams, ``k`` unless given (the trunk's is :data:`TRUNK_STREAM`).
     """
     if num_ingredients < 1:
         raise ValueError(f"the number of ingredients must be >= 1, got {num_ingredients}")
@@ -428,4 +434,6 @@ def build_view(data: Data, config: ViewConfig, k: int, num_ingredients: int, see
         raise ValueError("the graph has no nodes")
     if partition is not None and partition.numel() != data.num_nodes:
         raise ValueError(f"the partition has {partition.numel()} entries but the graph {data.num_nodes} nodes")
-    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition, adj)
+    if stream is not None and stream < 0:
+        raise ValueError(f"the stream index must be >= 0, got {stream}")
+    return _VIEWS[config.kind](data, config, k, num_ingredients, seed, partition, adj, stream)

@@ -40,7 +40,7 @@ from ladle.core.weights import running_mean
 from ladle.graph.inputs import SPARSE_MIN_ENTRIES, GraphInputs, graph_inputs
 from ladle.graph.pyg_views import with_sampler
 from ladle.graph.sparse import CSRRows, SparseMatrix
-from ladle.graph.views import IngredientView, build_view
+from ladle.graph.views import TRUNK_STREAM, IngredientView, build_view
 from ladle.nn.models import build_model
 from ladle.nn.scoring import Metrics, evaluate
 from ladle.train.finish import epoch_loop, finish
@@ -238,6 +238,16 @@ def task_view(recipe: Recipe, task: IngredientTask) -> ViewConfig:
     return type(recipe.view)(kind="full")
 
 
+def build_task_view(recipe: Recipe, data: Data, task: IngredientTask) -> IngredientView:
+    """The view of :func:`task_view`, built on ``data``: an ingredient's batches drawn from its own stream ``k``,
+    the trunk's and its continuation's from :data:`TRUNK_STREAM`, so no ingredient replays the trunk's batches."""
+    files = task.files
+    partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
+    return with_sampler(build_view(data, task_view(recipe, task), task.k or 0,
+                                   task.num_ingredients if task.k is not None else 1, recipe.seed, partition,
+                                   stream=TRUNK_STREAM if task.role in (TRUNK, CONTINUED) else None))
+
+
 @dataclass
 class Progress(BestEpoch):
     """Where a model's training stands; with the tensors, enough to resume bitwise-identically.
@@ -307,12 +317,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
     view_config = task_view(recipe, task)
     # the trunk continued goes on with the trunk's batch stream where the trunk left it
     first_view_epoch = recipe.trunk.epochs if task.role == CONTINUED else 0
-    if part_view is not None:
-        view = part_view
-    else:
-        partition = load_state(files.partition)["parts"] if task.k is not None and files.partition.exists() else None
-        view = with_sampler(build_view(data, view_config, task.k or 0, task.num_ingredients if task.k is not None
-                                       else 1, recipe.seed, partition))
+    view = part_view if part_view is not None else build_task_view(recipe, data, task)
     torch.manual_seed(seed if task.init == "independent" else recipe.seed)
     model = build_model(recipe.replace(dropout=settings.dropout), data.num_features, data.num_classes, task.model_class)
     start_state = initial_state(recipe, task)
