@@ -85,7 +85,7 @@ def test_ingredient_distances_from_init_and_soup() -> None:
     init = {"w": torch.randn(5, 4)}
     ingredients = [{"w": init["w"] + torch.randn(5, 4)} for _ in range(2)]
     soup = _mix(*ingredients, 0.5)
-    rows = ingredient_distances(init, soup, ingredients)
+    rows = ingredient_distances([init, init], soup, ingredients)
     apart = distance(*ingredients)
     assert [row["from_init"] for row in rows] == [distance(state, init) for state in ingredients]
     for row in rows:  # the uniform soup of two lies halfway between them

@@ -53,10 +53,8 @@ def path_barriers(path: Sequence[State], kept_alphas: Sequence[float], tried: Se
     return barriers
 
 
-def ingredient_distances(init: State | Sequence[State], soup: State, ingredients: Sequence[State]
-                         ) -> list[dict[str, float]]:
-    """Per ingredient, in order: its distance from the initial weights (``from_init``: ``init``, or each one's own
-    when ``init`` is a list) and from the soup (``from_soup``)."""
-    inits = init if isinstance(init, Sequence) else [init] * len(ingredients)
+def ingredient_distances(inits: Sequence[State], soup: State, ingredients: Sequence[State]) -> list[dict[str, float]]:
+    """Per ingredient, in order: its distance from the weights it started from (``from_init``: ``inits``, one per
+    ingredient) and from the soup (``from_soup``)."""
     return [{"from_init": distance(state, start), "from_soup": distance(state, soup)}
             for state, start in zip(ingredients, inits, strict=True)]

@@ -167,11 +167,12 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
     settings = {"search": "fast" if fast else "grid", "grid": grid, "metric": metric}
     soup_rows = [_soup_row(result, evaluator, bundle.names, settings, held_out.get(result.method))
                  for result in soups]
-    start: StateDict | list[StateDict] = trunk if trunk is not None else check_weights(files.init, expected)
     if trunk is None and run.get("init") == "independent":  # none of them started from init.safetensors
-        start = _own_inits(recipe, evaluator.data, bundle.metas, model)
+        starts = _own_inits(recipe, evaluator.data, bundle.metas, model)
+    else:
+        starts = [trunk if trunk is not None else check_weights(files.init, expected)] * len(bundle.states)
     path = [(bundle.names[i], bundle.states[i]) for i in order]  # greedy interpolation's: trunk first, then best-first
-    basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], start,
+    basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], starts,
                    "trunk" if trunk is not None else "init", evaluator.test_accuracy if test_barrier else None)
     best_ingredient = max(rows, key=lambda r: (r["val_acc"], -r["val_loss"]))
     mean_ingredient = {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
@@ -308,13 +309,13 @@ def _own_inits(recipe: Recipe, data: Data, metas: list[dict[str, Any]], model: M
 
 
 def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]],
-           start: StateDict | list[StateDict], start_name: str,
+           starts: list[StateDict], start_name: str,
            test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
     """Whether the ingredients sit in one basin: the barrier (:func:`ladle.soup.basin.barrier`, validation points)
     of every greedy-interpolation step (``path``: its start, then each step's ingredient, named) and, where
     ``test_accuracy`` is given, the same path's barrier on the test nodes; and each ingredient's
-    distance from the weights it started from (``start_name``: the trunk or the init: the shared one, or each one's own
-    in a run of independent inits, ``start`` a list) and from the soup (the
+    distance from the weights it started from (``starts``, one per ingredient; ``start_name``: the trunk or the init,
+    the shared one or, in a run of independent inits, each one's own) and from the soup (the
     first with interpolation curves, else the first soup made)."""
     interpolated = next((result for result in soups if result.curves), None)
     alphas, curves = ([], []) if interpolated is None else (interpolated.alphas, interpolated.curves)
@@ -326,7 +327,7 @@ def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, S
         for step, test_barrier in zip(steps, path_barriers([state for _, state in path], alphas, tried, test_accuracy)):
             step["test_barrier"] = test_barrier
     soup = interpolated or soups[0]
-    distances = ingredient_distances(start, soup.state, bundle.states)
+    distances = ingredient_distances(starts, soup.state, bundle.states)
     return {"start": start_name, "soup": soup_name(soup.method), "steps": steps,
             "max_barrier": max((step["barrier"] for step in steps), default=0.0),
             "max_test_barrier": max((step["test_barrier"] for step in steps), default=0.0) if test_accuracy else None,

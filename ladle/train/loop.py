@@ -314,7 +314,6 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
     seed = worker_seed(recipe.seed, task.seed_index)
     schedule = plan(recipe, task)
     settings = task_settings(recipe, task)
-    view_config = task_view(recipe, task)
     # the trunk continued goes on with the trunk's batch stream where the trunk left it
     first_view_epoch = recipe.trunk.epochs if task.role == CONTINUED else 0
     view = part_view if part_view is not None else build_task_view(recipe, data, task)
@@ -387,7 +386,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
                  if eval_graph.num_nodes == data.num_nodes and part_view is None else None)
     meta = finish(model, None, files.weights(task.name), files.meta(task.name), {
         "name": task.name, "role": task.role, "k": task.k, "num_ingredients": task.num_ingredients, "seed": seed,
-        "init": task.init, "recipe": recipe.to_dict(), "view": {"kind": view_config.kind, **view.describe()},
+        "init": task.init, "recipe": recipe.to_dict(), "view": view.describe(),
         "epochs_run": progress.next_epoch, "steps": progress.steps, "best_epoch": progress.best_epoch,
         "view_val_acc": progress.best_acc, "metrics_on": "graph" if part_view is None else "part",
         "plan": asdict(schedule), "settings": asdict(settings), "keep": keep, "keep_reason": keep_reason,
