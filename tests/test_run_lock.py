@@ -4,6 +4,7 @@ unless ``--resume``."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import (
@@ -22,8 +24,10 @@ from conftest import (
     run_module,
 )
 
+from ladle.core import rundir
 from ladle.core.errors import LadleError
 from ladle.core.recipe import load_recipe
+from ladle.core.rundir import new_run_dir
 from ladle.core.runlock import lock_run_dir
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
@@ -179,3 +183,27 @@ def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> Non
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_commands_started_in_the_same_second_each_get_their_own_folder(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> Frozen:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(rundir, "dt", SimpleNamespace(datetime=Frozen))
+    root = tmp_path / "checkpoints"
+    with pytest.raises(RuntimeError, match="stopped"):
+        with new_run_dir("demo", root) as first, new_run_dir("demo", root) as second:
+            assert (first.name, second.name) == ("demo-20260102-030405", "demo-20260102-030405-1")
+            (second / "run.json").write_text("{}")
+            raise RuntimeError("stopped")
+    assert [path.name for path in root.iterdir()] == ["demo-20260102-030405-1"]  # the empty one removed, not the other
+
+
+def test_a_launch_refused_leaves_no_folder_behind(data_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    with pytest.raises(LadleError, match="nowhere does not exist"):
+        train_ingredients(load_recipe(None, FULL), ingredients=1, data_root=tmp_path / "nowhere", checkpoints_root=root)
+    assert list(root.iterdir()) == []

@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,13 +166,31 @@ class RunDir:
         return self.path / "tensorboard-logs"
 
 
-def new_run_dir(prefix: str, checkpoints_root: Path = CHECKPOINTS) -> Path:
-    """``checkpoints_root/<prefix>-<date>-<time>``, suffixed ``-1``, ``-2``... when taken (not created)."""
+@contextmanager
+def new_run_dir(prefix: str, checkpoints_root: Path = CHECKPOINTS) -> Iterator[Path]:
+    """A new folder ``checkpoints_root/<prefix>-<date>-<time>``, suffixed ``-1``, ``-2``... when taken, created here
+    (one ``mkdir`` claims it, so commands started in the same second each get their own), for the block; removed
+    again when the block fails before anything was written into it."""
     base = checkpoints_root / f"{prefix}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        checkpoints_root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LadleError(f"cannot create {checkpoints_root}: {error.strerror} (choose a --run-dir)") from None
     path, n = base, 1
-    while path.exists():
-        path, n = Path(f"{base}-{n}"), n + 1
-    return path
+    while True:
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            path, n = Path(f"{base}-{n}"), n + 1
+        except OSError as error:
+            raise LadleError(f"cannot create run directory {path}: {error.strerror} (choose a --run-dir)") from None
+    try:
+        yield path
+    except BaseException:
+        with suppress(OSError):
+            path.rmdir()  # only when empty: a run that wrote its files keeps them (to resume)
+        raise
 
 
 def averaging_run_dir(recipe_name: str, average_every: int, checkpoints_root: Path = CHECKPOINTS) -> Path:

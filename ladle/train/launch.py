@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -126,42 +127,43 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if given is not None and backend == "ray":
         raise LadleError("a graph given in memory trains on the local backend (Ray workers read a dataset by name)")
     checkpoints_root = Path(checkpoints_root)
-    run_path = Path(run_dir) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
-    tasks = spec.tasks(run_path)
-    workers = _check_backend(backend, workers, len(tasks))
-    device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
-    data_root = None if data_root is None else str(data_root)
-    _check_creatable(run_path)  # before the (maybe long) preparation
-    check_free(run_path)
-    check_same_run(run_path, spec.definition())
-    shards = prepare_shards(recipe, ingredients, data_root, graph=given)  # once, cached; bad view settings fail here
-    check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"], model)
-    make_run_dir(run_path)
+    fresh = nullcontext(Path(run_dir)) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
+    with fresh as run_path:  # a new folder is claimed now, and removed again if refused before anything is written
+        tasks = spec.tasks(run_path)
+        workers = _check_backend(backend, workers, len(tasks))
+        device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster
+        data_root = None if data_root is None else str(data_root)
+        _check_creatable(run_path)  # before the (maybe long) preparation
+        check_free(run_path)
+        check_same_run(run_path, spec.definition())
+        shards = prepare_shards(recipe, ingredients, data_root, graph=given)  # once, cached; bad view settings fail here
+        check_fits(recipe, shards.meta["graph"]["num_features"], shards.meta["graph"]["num_classes"], model)
+        make_run_dir(run_path)
 
-    with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
-        check_same_run(run_path, spec.definition())  # again, now that no one else can write it
-        files = RunDir(run_path)
-        graph = shards.meta["graph"]
-        torch.manual_seed(recipe.seed)
-        save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"], model).state_dict())
-        partition = shards.partition()
-        if partition is not None:
-            save_state(files.partition, {"parts": partition})
-        shards.link(run_path)
-        threads = threads or max(1, available_cores() // workers)
-        run_meta = spec.to_json() | {
-            "workers": workers, "threads": threads, "device": device, "backend": backend,
-            "created": dt.datetime.now().isoformat(timespec="seconds"), "versions": library_versions(),
-            "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
-                        "features": graph["num_features"], "classes": graph["num_classes"]},
-            "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root, given),
-            "status": "running",
-        }
-        write_json(files.run_json, run_meta)
-        if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
-            update_latest(checkpoints_root, run_path)
-        return _execute(run_path, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads,
-                        given)
+        with lock_run_dir(run_path, "ladle.train"):  # held to the end: one owner at a time
+            check_same_run(run_path, spec.definition())  # again, now that no one else can write it
+            files = RunDir(run_path)
+            graph = shards.meta["graph"]
+            torch.manual_seed(recipe.seed)
+            save_state(files.init, build_model(recipe, graph["num_features"], graph["num_classes"], model).state_dict())
+            partition = shards.partition()
+            if partition is not None:
+                save_state(files.partition, {"parts": partition})
+            shards.link(run_path)
+            threads = threads or max(1, available_cores() // workers)
+            run_meta = spec.to_json() | {
+                "workers": workers, "threads": threads, "device": device, "backend": backend,
+                "created": dt.datetime.now().isoformat(timespec="seconds"), "versions": library_versions(),
+                "dataset": {"name": recipe.dataset, "nodes": graph["num_nodes"], "edges": graph["num_edges"],
+                            "features": graph["num_features"], "classes": graph["num_classes"]},
+                "shards": shards.meta["key"], "data": data_record(recipe.dataset, data_root, given),
+                "status": "running",
+            }
+            write_json(files.run_json, run_meta)
+            if run_dir is None or run_path.parent.resolve() == checkpoints_root.resolve():
+                update_latest(checkpoints_root, run_path)
+            return _execute(run_path, run_meta, spec, tasks, workers, data_root, device, backend, ray_options, threads,
+                            given)
 
 
 def _check_creatable(run_path: Path) -> None:

@@ -7,6 +7,7 @@ import datetime as dt
 import logging
 import os
 import socket
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def varrate_run_dir(schedule: str) -> Path:
-    """The default run directory: ``checkpoints/varrate-<schedule>-<time>`` (suffixed when taken)."""
-    return new_run_dir(f"varrate-{schedule}")
+def varrate_run_dir(run_dir: Path | None, schedule: str) -> AbstractContextManager[Path]:
+    """``run_dir``, else a new ``checkpoints/varrate-<schedule>-<time>`` (suffixed when taken) for the block."""
+    return nullcontext(Path(run_dir)) if run_dir is not None else new_run_dir(f"varrate-{schedule}")
 
 
 def check_inputs(recipe: Recipe, options: VarrateOptions, data_root: str | None) -> Tensor:
@@ -142,24 +143,24 @@ def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = 
     """
     data_root = None if data_root is None else str(data_root)
     options = _resolve(options, options.ranks)
-    run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
-    _check_run_dir(run_path)
-    parts = check_inputs(recipe, options, data_root)
-    make_run_dir(run_path)
-    args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root, parts)
-    with lock_run_dir(run_path, "ladle.varrate"):
-        check_varrate_dir(run_path)  # again, now that no one else can write it
-        try:
-            torch.multiprocessing.start_processes(_spawned_rank, args=args, nprocs=options.ranks,
-                                                  start_method="spawn")
-        except torch.multiprocessing.ProcessRaisedException as error:
-            lines = [line for line in str(error).strip().splitlines() if line.strip()]
-            log.debug("%s", error)
-            raise RuntimeError(f"rank {error.error_index} failed: {lines[-1] if lines else error}") from None
-        except torch.multiprocessing.ProcessExitedException as error:
-            raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}; the other ranks "
-                               "were stopped") from None
-        return read_json(RunDir(run_path).varrate_json)
+    with varrate_run_dir(run_dir, options.schedule.kind) as run_path:
+        _check_run_dir(run_path)
+        parts = check_inputs(recipe, options, data_root)
+        make_run_dir(run_path)
+        args = (options.ranks, free_port(), recipe.to_dict(), options, run_path, data_root, parts)
+        with lock_run_dir(run_path, "ladle.varrate"):
+            check_varrate_dir(run_path)  # again, now that no one else can write it
+            try:
+                torch.multiprocessing.start_processes(_spawned_rank, args=args, nprocs=options.ranks,
+                                                      start_method="spawn")
+            except torch.multiprocessing.ProcessRaisedException as error:
+                lines = [line for line in str(error).strip().splitlines() if line.strip()]
+                log.debug("%s", error)
+                raise RuntimeError(f"rank {error.error_index} failed: {lines[-1] if lines else error}") from None
+            except torch.multiprocessing.ProcessExitedException as error:
+                raise RuntimeError(f"rank {error.error_index} exited with code {error.exit_code}; the other ranks "
+                                   "were stopped") from None
+            return read_json(RunDir(run_path).varrate_json)
 
 
 def _check_run_dir(run_path: Path) -> None:
@@ -196,8 +197,8 @@ def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank != 0:  # rank 0 alone writes the run directory
         return run_rank(recipe, options, None, data_root, local_rank)
-    run_path = Path(run_dir) if run_dir is not None else varrate_run_dir(options.schedule.kind)
-    _check_run_dir(run_path)
-    make_run_dir(run_path)
-    with lock_run_dir(run_path, "ladle.varrate"):
-        return run_rank(recipe, options, run_path, data_root, local_rank)
+    with varrate_run_dir(run_dir, options.schedule.kind) as run_path:
+        _check_run_dir(run_path)
+        make_run_dir(run_path)
+        with lock_run_dir(run_path, "ladle.varrate"):
+            return run_rank(recipe, options, run_path, data_root, local_rank)
