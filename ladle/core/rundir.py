@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,12 @@ def new_run_dir(prefix: str, checkpoints_root: Path = CHECKPOINTS) -> Iterator[P
         with suppress(OSError):
             path.rmdir()  # only when empty: a run that wrote its files keeps them (to resume)
         raise
+
+
+def given_or_new_run_dir(run_dir: str | Path | None, prefix: str,
+                         checkpoints_root: Path = CHECKPOINTS) -> AbstractContextManager[Path]:
+    """``run_dir`` as given, else a new folder claimed by :func:`new_run_dir`, for the block."""
+    return nullcontext(Path(run_dir)) if run_dir is not None else new_run_dir(prefix, checkpoints_root)
 
 
 def averaging_run_dir(recipe_name: str, average_every: int, checkpoints_root: Path = CHECKPOINTS) -> Path:

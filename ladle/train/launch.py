@@ -16,7 +16,6 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,8 @@ from ladle.core.rundir import (
     TRUNK,
     RunDir,
     check_same_run,
+    given_or_new_run_dir,
     make_run_dir,
-    new_run_dir,
     read_run,
     resolve_run_dir,
     update_latest,
@@ -127,8 +126,8 @@ def train_ingredients(recipe: Recipe, ingredients: int = 8, workers: int | None 
     if given is not None and backend == "ray":
         raise LadleError("a graph given in memory trains on the local backend (Ray workers read a dataset by name)")
     checkpoints_root = Path(checkpoints_root)
-    fresh = nullcontext(Path(run_dir)) if run_dir is not None else new_run_dir(recipe.name, checkpoints_root)
-    with fresh as run_path:  # a new folder is claimed now, and removed again if refused before anything is written
+    # a new folder is claimed now, and removed again if the run is refused before anything is written to it
+    with given_or_new_run_dir(run_dir, recipe.name, checkpoints_root) as run_path:
         tasks = spec.tasks(run_path)
         workers = _check_backend(backend, workers, len(tasks))
         device = device if backend == "ray" else resolve_device(device)  # Ray's GPUs live on the cluster

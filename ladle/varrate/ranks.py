@@ -7,7 +7,6 @@ import datetime as dt
 import logging
 import os
 import socket
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ from ladle.core.resources import available_cores, die_with_parent, resolve_devic
 from ladle.core.rundir import (
     RunDir,
     check_varrate_dir,
+    given_or_new_run_dir,
     make_run_dir,
-    new_run_dir,
 )
 from ladle.core.runlock import check_free, hold_as_worker, lock_run_dir
 from ladle.core.storage import read_json
@@ -117,11 +116,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def varrate_run_dir(run_dir: Path | None, schedule: str) -> AbstractContextManager[Path]:
-    """``run_dir``, else a new ``checkpoints/varrate-<schedule>-<time>`` (suffixed when taken) for the block."""
-    return nullcontext(Path(run_dir)) if run_dir is not None else new_run_dir(f"varrate-{schedule}")
-
-
 def check_inputs(recipe: Recipe, options: VarrateOptions, data_root: str | None) -> Tensor:
     """Reject bad input before any rank starts: model, rank count, dataset, partition (stages the data); return the
     partition, which rank 0 then broadcasts instead of computing it again."""
@@ -143,7 +137,7 @@ def run_spawned(recipe: Recipe, options: VarrateOptions, run_dir: Path | None = 
     """
     data_root = None if data_root is None else str(data_root)
     options = _resolve(options, options.ranks)
-    with varrate_run_dir(run_dir, options.schedule.kind) as run_path:
+    with given_or_new_run_dir(run_dir, f"varrate-{options.schedule.kind}") as run_path:
         _check_run_dir(run_path)
         parts = check_inputs(recipe, options, data_root)
         make_run_dir(run_path)
@@ -197,7 +191,7 @@ def run_torchrun(recipe: Recipe, options: VarrateOptions, run_dir: Path | None,
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank != 0:  # rank 0 alone writes the run directory
         return run_rank(recipe, options, None, data_root, local_rank)
-    with varrate_run_dir(run_dir, options.schedule.kind) as run_path:
+    with given_or_new_run_dir(run_dir, f"varrate-{options.schedule.kind}") as run_path:
         _check_run_dir(run_path)
         make_run_dir(run_path)
         with lock_run_dir(run_path, "ladle.varrate"):
