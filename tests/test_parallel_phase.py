@@ -8,17 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import train_until_crash
 
 from ladle.core.recipe import Recipe, load_recipe, recipe_from_dict
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
-from ladle.core.storage import load_state
+from ladle.core.storage import load_state, save_state
+from ladle.graph.inputs import graph_inputs
+from ladle.nn.models import build_model
 from ladle.soup.crossfit import cross_fitted, pooled
 from ladle.soup.evaluator import Evaluator, SoupResult
 from ladle.soup.methods import SOUPS, SoupInputs, SoupMethod
 from ladle.soup.pipeline import baseline_in_trunk_epochs, parallel_phase, soup_run
 from ladle.soup.report import format_table, trunk_line
 from ladle.train.launch import train_ingredients
-from ladle.train.loop import build_task_view
+from ladle.train.loop import build_task_view, train_task
 from ladle.train.task import IngredientTask
 
 
@@ -71,6 +75,54 @@ def test_ingredients_differ_in_their_settings_as_the_recipe_says(continued_run: 
     assert all(torch.equal(frozen[key], trunk[key]) for key in trunk)  # Adam steps of 1e-30 vanish in float32
     assert any(not torch.equal(moved[key], trunk[key]) for key in trunk)
     assert json.loads((continued_run / "run.json").read_text())["recipe"]["branch"]["lr_scale"] == [1.0, 1e-28]
+
+
+def test_distillation_holds_a_branch_and_the_trunk_continued_near_the_trunks_predictions(
+        data_root: Path, cora_data, tmp_path: Path) -> None:
+    """The same seeds with and without ``branch.distill``: with it, the branch and the trunk continued end nearer
+    the trunk's predictions on the whole graph (KL divergence from the trunk's softmax); the trunk is the same."""
+    inputs = graph_inputs(cora_data, "gcn")
+
+    @torch.no_grad()
+    def log_probs(run_dir: Path, name: str) -> torch.Tensor:
+        model = build_model(Recipe(), cora_data.num_features, 7)
+        model.load_state_dict(load_state(run_dir / f"{name}.safetensors"))
+        return F.log_softmax(model.eval()(inputs), dim=-1)
+
+    divergence = {}
+    for weight in (0.0, 5.0):
+        run_dir = tmp_path / f"distill-{weight}"
+        recipe = load_recipe(None, ["trunk.epochs=4", "epochs=6", "view.kind=cluster", "branch.keep=last",
+                                    f"branch.distill={weight}"])
+        assert not train_ingredients(recipe, ingredients=1, workers=1, run_dir=run_dir, data_root=data_root,
+                                     threads=1).failed
+        trunk = log_probs(run_dir, TRUNK)
+        divergence[weight] = {name: float(F.kl_div(log_probs(run_dir, name), trunk, reduction="batchmean",
+                                                   log_target=True)) for name in ("ingredient-00", CONTINUED)}
+        assert json.loads((run_dir / "run.json").read_text())["recipe"]["branch"]["distill"] == weight
+    trunks = [load_state(tmp_path / f"distill-{weight}" / "trunk.safetensors") for weight in (0.0, 5.0)]
+    assert all(torch.equal(trunks[0][key], trunks[1][key]) for key in trunks[0])
+    for name in ("ingredient-00", CONTINUED):
+        assert divergence[5.0][name] < 0.5 * divergence[0.0][name], (name, divergence)
+
+
+def test_a_distilled_branch_resumed_after_a_crash_is_bitwise_identical(cora_data, tmp_path: Path, monkeypatch,
+                                                                      one_thread) -> None:
+    """The trunk it is held near is the trunk's file, not the weights a resumed branch starts from."""
+    recipe = load_recipe(None, ["trunk.epochs=5", "epochs=8", "branch.distill=1"])
+    torch.manual_seed(1)
+    trunk = build_model(recipe, cora_data.num_features, 7).state_dict()
+    tasks = {}
+    for name in ("whole", "resumed"):
+        (tmp_path / name).mkdir()
+        save_state(tmp_path / name / "trunk.safetensors", trunk)
+        tasks[name] = IngredientTask(0, 2, tmp_path / name, "shared", 3)
+    whole = train_task(recipe, cora_data, tasks["whole"])
+    train_until_crash(recipe, cora_data, tasks["resumed"], 6, monkeypatch)  # its progress saved after epoch 2
+    again = train_task(recipe, cora_data, tasks["resumed"])
+    assert again["val_acc"] == whole["val_acc"] and again["epochs_run"] == whole["epochs_run"] == 8
+    expected, found = (load_state(tasks[name].files.weights(tasks[name].name)) for name in ("whole", "resumed"))
+    assert all(torch.equal(expected[key], found[key]) for key in expected)
 
 
 def test_the_report_opens_with_what_the_branches_added(continued_run: Path) -> None:

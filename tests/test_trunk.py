@@ -171,6 +171,7 @@ def test_a_part_with_few_validation_nodes_keeps_its_last_weights(cora_data, tmp_
     ("branch.keep=first", "branch.keep must be one of best, last, swa; got 'first'"),
     ("branch.lr=0", "branch.lr must be finite and > 0"),
     ("branch.warmup=-1", "branch.warmup must be >= 0 epochs, got -1"),
+    ("branch.distill=-1", "branch.distill must be finite and >= 0, got -1"),
     ("trunk.depth=2", "unknown recipe key 'trunk.depth'"),
 ])
 def test_bad_trunk_and_branch_keys_exit_2_naming_the_key(override: str, message: str, tmp_path: Path) -> None:

@@ -86,7 +86,9 @@ class BranchConfig:
     after ``patience``), ``last``, or ``swa`` (the mean of the weights after each epoch of the second half).
     Ingredients may differ in more than their seed, as model soups' fine-tunes do: ingredient k trains with
     ``dropout[k % n]``, ``weight_decay[k % n]`` and the learning rate times ``lr_scale[k % n]`` (each empty:
-    the recipe's value for every ingredient).
+    the recipe's value for every ingredient). ``distill``: the weight of a term that keeps a model started from
+    the trunk near the trunk's predictions on every node of its batch, labelled or not (the KL divergence from
+    the trunk's softmax; 0: none): a part's few labels then do not pull its branch out of the trunk's basin.
     """
 
     lr: float | None = None
@@ -96,6 +98,7 @@ class BranchConfig:
     dropout: tuple[float, ...] = ()
     weight_decay: tuple[float, ...] = ()
     lr_scale: tuple[float, ...] = ()
+    distill: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -110,6 +113,8 @@ class BranchConfig:
         if any(not (math.isfinite(s) and s > 0) for s in self.lr_scale):
             raise ValueError(f"branch.lr_scale values must be finite and > 0, got {list(self.lr_scale)}")
         _check_choice("branch.schedule", self.schedule, LR_SCHEDULES)
+        if not (math.isfinite(self.distill) and self.distill >= 0):
+            raise ValueError(f"branch.distill must be finite and >= 0, got {self.distill}")
         if self.warmup < 0:
             raise ValueError(f"branch.warmup must be >= 0 epochs, got {self.warmup}")
         _check_choice("branch.keep", self.keep, BRANCH_KEEPS)

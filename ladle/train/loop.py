@@ -90,6 +90,26 @@ def batch_loss(logits: Tensor, batch: Data) -> Tensor:
     return (losses * weight[mask]).sum() if weight is not None else losses.mean()
 
 
+class Teacher:
+    """The trunk's predictions on a batch, for ``branch.distill``: a frozen copy of the start, run in eval mode;
+    the last batch's log-probabilities are kept, so a static view (one batch, every epoch) computes them once."""
+
+    def __init__(self, model: nn.Module, weight: float) -> None:
+        self.model, self.weight = copy.deepcopy(model).eval(), weight
+        self._last: tuple[GraphInputs, Tensor] | None = None
+
+    @torch.no_grad()
+    def log_probs(self, inputs: GraphInputs) -> Tensor:
+        if self._last is None or self._last[0] is not inputs:
+            self._last = (inputs, F.log_softmax(self.model(inputs), dim=-1))
+        return self._last[1]
+
+    def loss(self, logits: Tensor, inputs: GraphInputs) -> Tensor:
+        """``weight`` × KL(trunk ‖ model), averaged over the batch's nodes."""
+        return self.weight * F.kl_div(F.log_softmax(logits, dim=-1), self.log_probs(inputs), reduction="batchmean",
+                                      log_target=True)
+
+
 class BatchInputs:
     """Model inputs of a view's batches: built once for static views (``whole`` itself when the batch is
     that graph), every batch for sampled views; a sampled batch of a graph whose features ``whole`` holds
@@ -116,16 +136,20 @@ class BatchInputs:
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
-                inputs: BatchInputs, name: str, device: torch.device | str = "cpu") -> tuple[float, int]:
-    """One epoch of Adam steps over ``view``'s batches; return the mean batch loss (NaN when no batch had
-    a loss node) and the optimizer steps taken; a non-finite loss raises ``FloatingPointError``."""
+                inputs: BatchInputs, name: str, device: torch.device | str = "cpu",
+                teacher: Teacher | None = None) -> tuple[float, int]:
+    """One epoch of Adam steps over ``view``'s batches (plus ``teacher``'s term); return the mean batch loss (NaN
+    when no batch had a loss node) and the optimizer steps taken; a non-finite loss raises ``FloatingPointError``."""
     model.train()
     losses: list[float] = []
     for batch in view.batches(epoch):
         batch_input = inputs(batch)
         if not bool(batch.loss_mask.any()):
             continue
-        loss = batch_loss(model(batch_input), batch.to(device))
+        logits = model(batch_input)
+        loss = batch_loss(logits, batch.to(device))
+        if teacher is not None:
+            loss = loss + teacher.loss(logits, batch_input)
         value = loss.item()  # one device sync a batch: the finiteness check and the epoch's mean loss
         if not math.isfinite(value):
             raise FloatingPointError(f"{name}: loss became {value} at epoch {epoch}; "
@@ -324,6 +348,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
         model.load_state_dict(start_state)
     torch.manual_seed(seed)
     model.to(device)
+    teacher = Teacher(model, recipe.branch.distill) if recipe.branch.distill and from_trunk(recipe, task) else None
     optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr, weight_decay=settings.weight_decay)
     progress, kept = Progress(), copy.deepcopy(model.state_dict())
     if task.progress_path.exists():
@@ -364,7 +389,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr_at(epoch)
             train_loss, steps = train_epoch(model, optimizer, view, first_view_epoch + epoch, batch_inputs, task.name,
-                                            device)
+                                            device, teacher)
             val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
             curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
                          seconds=progress.seconds + time.perf_counter() - start)
