@@ -147,7 +147,9 @@ def test_a_failed_partition_is_logged_without_a_baseline_and_trained_as_the_base
     kept = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "kept", data_root=data_root,
                              threads=1)
     assert kept.view_fallback is None and all(meta["metrics_on"] == "part" for meta in kept.ingredients)
-    assert kept.continued["view_agreement"] < 0.87  # 0.83 measured: its ClusterGCN batches aggregate unlike the graph
+    # 0.875 measured (0.83 before the metis recipes held their models near the trunk): its ClusterGCN batches
+    # aggregate unlike the graph
+    assert kept.continued["view_agreement"] < VIEW_AGREEMENT_MIN
     assert "its branches hold their parts alone: rerun with --baseline" in caplog.text
 
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", baseline=True,
