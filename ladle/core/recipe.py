@@ -88,7 +88,8 @@ class BranchConfig:
     ``dropout[k % n]``, ``weight_decay[k % n]`` and the learning rate times ``lr_scale[k % n]`` (each empty:
     the recipe's value for every ingredient). ``distill``: the weight of a term that keeps a model started from
     the trunk near the trunk's predictions on every node of its batch, labelled or not (the KL divergence from
-    the trunk's softmax; 0: none): a part's few labels then do not pull its branch out of the trunk's basin.
+    the trunk's softmax; 0: none): a part's few labels then do not pull its branch away from what the trunk
+    learned of the whole graph.
     """
 
     lr: float | None = None
