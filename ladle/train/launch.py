@@ -260,32 +260,36 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
 def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[IngredientTask], workers: int,
            data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
            threads: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Train the trunk when the recipe has one and it is not finished (beside the baseline, which needs none), then
-    ``tasks``; return (metadata by name, error by name of those that failed), a failed task's metadata written."""
+    """Train the trunk when the recipe has one and it is not finished (beside the baseline, which needs none), and
+    ``tasks`` once the trunk has finished (the baseline may still train: the local pool starts them at once, Ray
+    after it); return (metadata by name, error by name of those that failed), a failed task's metadata written."""
     recipe = spec.recipe
     pool = LocalPool(recipe, files.shards, workers, device, threads) if backend == "local" else None
 
-    def run(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    def ray(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         if not batch:
             return {}, {}
-        if pool is not None:
-            return pool.run(batch)
         return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
 
-    results, failed, scheduled = {}, {}, list(tasks)
+    scheduled = list(tasks)
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
         trunk = spec.trunk_task(files.path)  # once, before the branches; the baseline needs no trunk, so beside it
         first = [trunk, *(task for task in tasks if task.role == BASELINE)]
-        tasks = [task for task in tasks if task.role != BASELINE]
+        # the trunk continued first among what waits: it trains on the trunk's whole view, the longest of them
+        branches = sorted((task for task in tasks if task.role != BASELINE), key=lambda task: task.role != CONTINUED)
         scheduled.append(trunk)
-        results, failed = run(first)
+        if pool is not None:
+            results, failed = pool.run(first, after={TRUNK: branches})
+        else:
+            results, failed = ray(first)
+            more, more_failed = ray(branches) if TRUNK in results else ({}, {})
+            results, failed = results | more, failed | more_failed
         if TRUNK in failed:
             log.error("the trunk failed, so no ingredient can branch from it")
-            tasks = []
+    else:
+        results, failed = pool.run(tasks) if pool is not None else ray(tasks)
     if recipe.trunk.epochs and TRUNK not in failed:
         run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
-    more, more_failed = run(tasks)
-    results, failed = results | more, failed | more_failed
     for task in scheduled:
         if task.name in failed:
             write_json(files.meta(task.name),
@@ -369,23 +373,34 @@ class LocalPool:
             shared = LocalPool._shared = (self.context, pool)
         return shared[1]
 
-    def run(self, tasks: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-        """Train ``tasks``; return (metadata by name, error by name of those that failed). A failing ingredient does
-        not stop the others; a pool broken by a dead worker is replaced at the next call."""
-        try:
-            pending = {self._pool().submit(run_task, task, self.recipe, self.shards, self.threads): task
-                       for task in tasks}
-        except futures.process.BrokenProcessPool:
-            pending = {self._pool(fresh=True).submit(run_task, task, self.recipe, self.shards, self.threads): task
-                       for task in tasks}
+    def run(self, tasks: list[IngredientTask], after: dict[str, list[IngredientTask]] | None = None
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Train ``tasks``, and each list of ``after`` once the task it is keyed by has finished well (the branches,
+        once their trunk has, while a baseline goes on); return (metadata by name, error by name of those that
+        failed). A failing ingredient does not stop the others; a pool broken by a dead worker is replaced."""
+        after = after or {}
+        pending = self._submit(tasks)
         results: dict[str, dict[str, Any]] = {}
         failed: dict[str, str] = {}
-        for future in futures.as_completed(pending):
-            task = pending[future]
-            try:
-                results[task.name] = future.result()
-            except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError,
-                    LadleError) as error:  # e.g. a shard damaged since the run began
-                log.error("%s failed: %s", task.name, error)
-                failed[task.name] = f"{type(error).__name__}: {error}"
+        while pending:
+            done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+            for future in done:
+                task = pending.pop(future)
+                try:
+                    results[task.name] = future.result()
+                except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError,
+                        LadleError) as error:  # e.g. a shard damaged since the run began
+                    log.error("%s failed: %s", task.name, error)
+                    failed[task.name] = f"{type(error).__name__}: {error}"
+                if task.name in results:
+                    pending |= self._submit(after.get(task.name, []))
         return results, failed
+
+    def _submit(self, tasks: list[IngredientTask]) -> dict[futures.Future[dict[str, Any]], IngredientTask]:
+        if not tasks:
+            return {}
+        try:
+            return {self._pool().submit(run_task, task, self.recipe, self.shards, self.threads): task for task in tasks}
+        except futures.process.BrokenProcessPool:
+            pool = self._pool(fresh=True)
+            return {pool.submit(run_task, task, self.recipe, self.shards, self.threads): task for task in tasks}

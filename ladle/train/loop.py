@@ -333,7 +333,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
     ``part_view``: the view of a part shard (:mod:`ladle.graph.shards`), ``data`` being that part alone;
     the val/test metrics in the JSON are then the part's own (``"metrics_on": "part"``).
     """
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     files = task.files
     seed = worker_seed(recipe.seed, task.seed_index)
     schedule = plan(recipe, task)
@@ -418,6 +418,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
         "view_val_nodes": val_nodes, "view_agreement": agreement,
         "start": TRUNK if from_trunk(recipe, task) else task.init,
         "train_seconds": progress.seconds + time.perf_counter() - start, "pid": os.getpid(),
+        "started_at": started_at, "ended_at": time.time(),  # this process's epochs (a resumed run's: since resuming)
         "process_group": bool(torch.distributed.is_available() and torch.distributed.is_initialized()),
     }, scored_on=(full_inputs, data))
     task.progress_path.unlink(missing_ok=True)
