@@ -266,10 +266,23 @@ def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[I
     recipe = spec.recipe
     pool = LocalPool(recipe, files.shards, workers, device, threads) if backend == "local" else None
 
-    def ray(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    def on_ray(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         if not batch:
             return {}, {}
         return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
+
+    def run(batch: list[IngredientTask], after: dict[str, list[IngredientTask]] | None = None
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """``batch``, and each list of ``after`` once its key finished well (see :meth:`LocalPool.run`; on Ray,
+        once the whole batch is done)."""
+        if pool is not None:
+            return pool.run(batch, after)
+        results, failed = on_ray(batch)
+        for name, waiting in (after or {}).items():
+            if name in results:
+                more, more_failed = on_ray(waiting)
+                results, failed = results | more, failed | more_failed
+        return results, failed
 
     scheduled = list(tasks)
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):
@@ -278,16 +291,11 @@ def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[I
         # the trunk continued first among what waits: it trains on the trunk's whole view, the longest of them
         branches = sorted((task for task in tasks if task.role != BASELINE), key=lambda task: task.role != CONTINUED)
         scheduled.append(trunk)
-        if pool is not None:
-            results, failed = pool.run(first, after={TRUNK: branches})
-        else:
-            results, failed = ray(first)
-            more, more_failed = ray(branches) if TRUNK in results else ({}, {})
-            results, failed = results | more, failed | more_failed
+        results, failed = run(first, after={TRUNK: branches})
         if TRUNK in failed:
             log.error("the trunk failed, so no ingredient can branch from it")
     else:
-        results, failed = pool.run(tasks) if pool is not None else ray(tasks)
+        results, failed = run(tasks)
     if recipe.trunk.epochs and TRUNK not in failed:
         run_meta["trunk"] = _trunk_summary(results.get(TRUNK) or read_json(files.meta(TRUNK)))
     for task in scheduled:
@@ -399,8 +407,10 @@ class LocalPool:
     def _submit(self, tasks: list[IngredientTask]) -> dict[futures.Future[dict[str, Any]], IngredientTask]:
         if not tasks:
             return {}
-        try:
-            return {self._pool().submit(run_task, task, self.recipe, self.shards, self.threads): task for task in tasks}
-        except futures.process.BrokenProcessPool:
-            pool = self._pool(fresh=True)
+
+        def submit(pool: futures.ProcessPoolExecutor) -> dict[futures.Future[dict[str, Any]], IngredientTask]:
             return {pool.submit(run_task, task, self.recipe, self.shards, self.threads): task for task in tasks}
+        try:
+            return submit(self._pool())
+        except futures.process.BrokenProcessPool:
+            return submit(self._pool(fresh=True))
