@@ -261,28 +261,18 @@ def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[I
            data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
            threads: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Train the trunk when the recipe has one and it is not finished (beside the baseline, which needs none), and
-    ``tasks`` once the trunk has finished (the baseline may still train: the local pool starts them at once, Ray
-    after it); return (metadata by name, error by name of those that failed), a failed task's metadata written."""
+    ``tasks`` once the trunk has finished (the baseline may still be training); return (metadata by name, error by name of those that failed), a failed task's metadata written."""
     recipe = spec.recipe
     pool = LocalPool(recipe, files.shards, workers, device, threads) if backend == "local" else None
 
-    def on_ray(batch: list[IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-        if not batch:
-            return {}, {}
-        return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {})
-
     def run(batch: list[IngredientTask], after: dict[str, list[IngredientTask]] | None = None
             ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-        """``batch``, and each list of ``after`` once its key finished well (see :meth:`LocalPool.run`; on Ray,
-        once the whole batch is done)."""
+        """``batch``, and each list of ``after`` once its key finished well (see :meth:`LocalPool.run`)."""
         if pool is not None:
             return pool.run(batch, after)
-        results, failed = on_ray(batch)
-        for name, waiting in (after or {}).items():
-            if name in results:
-                more, more_failed = on_ray(waiting)
-                results, failed = results | more, failed | more_failed
-        return results, failed
+        if not batch:
+            return {}, {}
+        return run_ray(batch, recipe, ShardSet.open(files.shards), data_root, device, ray_options or {}, after)
 
     scheduled = list(tasks)
     if recipe.trunk.epochs and not verify_finished(files, TRUNK, expected_shapes(run_meta, spec.model_class)):

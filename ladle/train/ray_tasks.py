@@ -44,7 +44,7 @@ import socket
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,17 +199,17 @@ def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_
             return worker.run(task, threads), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
             local = RunDir(Path(scratch))
-            inputs = {local.init, local.partition, local.weights(TRUNK)}
-            if init_bytes is not None:
-                local.init.write_bytes(init_bytes)
-            if trunk_bytes is not None:
-                local.weights(TRUNK).write_bytes(trunk_bytes)
+            inputs = {local.init: init_bytes, local.weights(TRUNK): trunk_bytes}  # what the task reads, not returns
+            for path, payload in inputs.items():
+                if payload is not None:
+                    path.write_bytes(payload)
             partition = worker.shards.partition()
             if partition is not None:
                 save_state(local.partition, {"parts": partition})
             meta = worker.run(dataclasses.replace(task, run_dir=local.path), threads)
+            given = {path for path, payload in inputs.items() if payload is not None} | {local.partition}
             return meta, {str(path.relative_to(local.path)): path.read_bytes()
-                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in inputs}
+                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in given}
     except (FloatingPointError, LadleError) as error:
         return {"error": f"{type(error).__name__}: {error}"}, None
 
@@ -281,13 +281,17 @@ def _failure_message(ray: Any, error: Exception) -> str:
 
 
 def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_root: str | None, device: str,
-            options: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Run each ingredient as a Ray task on the run's ``shards`` (:func:`node_shards`); return (metadata by task
-    name, error message by name of failed tasks).
+            options: dict[str, Any], after: dict[str, list[IngredientTask]] | None = None
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Run each ingredient as a Ray task on the run's ``shards`` (:func:`node_shards`), and each list of ``after``
+    once the task it is keyed by has finished well (the branches, once their trunk has: its weights are read then);
+    return (metadata by task name, error message by name of failed tasks).
 
     ``options``: ``address`` (None: start a local cluster), ``cpus`` and ``gpus`` per ingredient, and
     ``gather`` (return weights to the driver instead of writing to shared storage).
     """
+    after = after or {}
+    everything = [*tasks, *(task for waiting in after.values() for task in waiting)]
     ray = import_ray()
     cpus = float(options.get("cpus") or 1.0)
     gpus = float(options.get("gpus") or 0.0)
@@ -300,26 +304,30 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_
         log.warning("each ingredient reserves %g GPUs but trains on the CPU (pass --device cuda to use them)", gpus)
     fault = _parse_fault(os.environ.get(FAULT_ENV))
 
-    started = _connect(ray, options.get("address"), _model_code(tasks))
+    started = _connect(ray, options.get("address"), _model_code(everything))
     try:
         _check_resources(ray, cpus, gpus)
-        shared = [task for task in tasks if task.init == "shared"]
-        init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
-        branches = [task for task in tasks if task.role in (INGREDIENT, CONTINUED)]
-        trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
-                     if gather and branches and recipe.trunk.epochs else None)
         remote = ray.remote(_train_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=MAX_RETRIES,
                                                  retry_exceptions=True)
         threads = max(1, int(cpus))
-        source = ShardSource.of(shards, tasks[0].num_ingredients) if tasks else None
-        pending = {
-            remote.remote(recipe, task, source, data_root, device, threads,
-                          init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
-            for task in tasks
-        }
-        log.info("submitted %d ingredients to Ray (%g CPUs, %g GPUs each%s)",
-                 len(tasks), cpus, gpus, ", gathering weights" if gather else "")
-        return _collect(ray, pending)
+        source = ShardSource.of(shards, everything[0].num_ingredients) if everything else None
+
+        def submit(batch: list[IngredientTask]) -> dict[Any, IngredientTask]:
+            """Submit ``batch``; when gathering, the shared init's and the trunk's bytes go to the object store once
+            a batch (the trunk's are on the driver only once the trunk is done)."""
+            if not batch:
+                return {}
+            shared = [task for task in batch if task.init == "shared"]
+            init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
+            branches = [task for task in batch if task.role in (INGREDIENT, CONTINUED)]
+            trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
+                         if gather and branches and recipe.trunk.epochs else None)
+            log.info("submitted %d ingredients to Ray (%g CPUs, %g GPUs each%s)",
+                     len(batch), cpus, gpus, ", gathering weights" if gather else "")
+            return {remote.remote(recipe, task, source, data_root, device, threads,
+                                  init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
+                    for task in batch}
+        return _collect(ray, submit, tasks, after, total=len(everything))
     finally:
         if started:
             ray.shutdown()
@@ -335,15 +343,18 @@ def _write_gathered(run_dir: Path, gathered: dict[str, bytes]) -> None:
             stream.write(payload)
 
 
-def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Wait for the tasks as they finish, write gathered checkpoints, and tick the driver's bar."""
+def _collect(ray: Any, submit: Callable[[list[IngredientTask]], dict[Any, IngredientTask]],
+             tasks: list[IngredientTask], after: dict[str, list[IngredientTask]], total: int
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Submit ``tasks``, wait for them as they finish, write gathered checkpoints, submit what waited for a task
+    once it has finished well (``after``), and tick the driver's bar (``total`` tasks at most)."""
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
-    with tqdm(total=len(pending), desc="ingredients", unit="ingredient", dynamic_ncols=True, disable=None) as bar:
-        waiting = list(pending)
-        while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1)
-            task = pending[done[0]]
+    pending = submit(tasks)
+    with tqdm(total=total, desc="ingredients", unit="ingredient", dynamic_ncols=True, disable=None) as bar:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            task = pending.pop(done[0])
             try:
                 meta, gathered = ray.get(done[0])
             except ray.exceptions.RayError as error:
@@ -361,6 +372,7 @@ def _collect(ray: Any, pending: dict[Any, IngredientTask]) -> tuple[dict[str, di
                 failed[task.name] = meta["error"]
             else:
                 results[task.name] = meta
+                pending |= submit(after.get(task.name, []))
             bar.update(1)
             bar.set_postfix(failed=len(failed))
     return results, failed
