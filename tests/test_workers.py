@@ -1,17 +1,21 @@
-"""Local workers: each loads the whole graph once for all its ingredients, and each part once."""
+"""Local workers: each loads the whole graph once for all its ingredients, and each part once; a worker that dies
+fails the tasks it took down with a message that says so, and ``--resume`` trains them."""
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TRUNKLESS
+from torch import Tensor, nn
 
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import load_state
+from ladle.core.storage import load_state, read_json
 from ladle.graph.shards import ShardSet
 from ladle.train import worker as shard_worker
-from ladle.train.launch import train_ingredients
+from ladle.train.launch import DEAD_WORKER, resume_run, train_ingredients
 from ladle.train.task import RunSpec
 from ladle.train.worker import ShardWorker
 
@@ -37,3 +41,37 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
     assert loads == loaded
     retrained = _weights(run.run_dir, 3)  # retrained here: bitwise what the pool's worker wrote
     assert all(torch.equal(a[key], b[key]) for a, b in zip(retrained, pooled) for key in a)
+
+
+class DyingNet(nn.Module):
+    """A linear model whose worker process dies in training (as one the system kills for memory) while the file that
+    ``LADLE_TEST_DIE`` names exists."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_channels, out_channels)
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        if self.training and os.path.exists(os.environ.get("LADLE_TEST_DIE", "")):
+            os._exit(1)
+        return self.linear(x)
+
+
+def test_a_dead_worker_fails_its_tasks_plainly_and_resume_trains_them(data_root: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    marker = tmp_path / "die"
+    marker.touch()
+    monkeypatch.setenv("LADLE_TEST_DIE", str(marker))
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
+    with caplog.at_level(logging.ERROR):
+        run = train_ingredients(recipe, ingredients=2, workers=2, threads=1, run_dir=tmp_path / "run",
+                                data_root=data_root, model=DyingNet)
+    assert run.failed == ["ingredient-00", "ingredient-01"] and not run.ingredients
+    assert read_json(run.run_dir / "ingredient-01.json")["error"] == DEAD_WORKER
+    assert DEAD_WORKER.startswith("BrokenProcessPool: a worker process died")
+    assert f"`python -m ladle.train --resume --run-dir {run.run_dir}`" in caplog.text
+    marker.unlink()
+    resumed = resume_run(run.run_dir, workers=2, model=DyingNet)
+    assert not resumed.failed and [meta["name"] for meta in resumed.ingredients] == ["ingredient-00", "ingredient-01"]
+    assert read_json(run.run_dir / "run.json")["status"] == "done"

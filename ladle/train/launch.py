@@ -251,6 +251,10 @@ def _execute(run_path: Path, run_meta: dict[str, Any], spec: RunSpec, tasks: lis
     run_meta["status"] = "failed" if failed else "done"
     run_meta["failed"] = sorted(failed)
     write_json(files.run_json, run_meta)
+    if failed:
+        log.error("%d of the run's models failed (%s); once the cause is fixed, `python -m ladle.train --resume "
+                  "--run-dir %s` trains them from their last progress file", len(failed), ", ".join(sorted(failed)),
+                  run_path)
     merge_metrics(run_path)
     ordered = [metas[name] for name in sorted(metas) if name not in (BASELINE, TRUNK, CONTINUED)]
     return RunResult(run_path, ordered, metas.get(BASELINE), sorted(failed), metas.get(TRUNK), metas.get(CONTINUED),
@@ -335,6 +339,8 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
                                        "train_seconds", "peak_rss_mb")}
 
 
+DEAD_WORKER = ("BrokenProcessPool: a worker process died (killed by the system, e.g. out of memory: fewer --workers "
+               "hold less at once), this task's or another of the pool's")
 POOL_ENVIRONMENT = ("LADLE_", "PYTHON", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
                     "NCCL_", "GLOO_", "RAY_")  # variables a worker's behaviour may depend on
 
@@ -386,7 +392,10 @@ class LocalPool:
                 task = pending.pop(future)
                 try:
                     results[task.name] = future.result()
-                except (FloatingPointError, futures.process.BrokenProcessPool, RuntimeError, ValueError,
+                except futures.process.BrokenProcessPool:
+                    failed[task.name] = DEAD_WORKER
+                    log.error("%s failed: %s", task.name, DEAD_WORKER)
+                except (FloatingPointError, RuntimeError, ValueError,
                         LadleError) as error:  # e.g. a shard damaged since the run began
                     log.error("%s failed: %s", task.name, error)
                     failed[task.name] = f"{type(error).__name__}: {error}"
