@@ -2,6 +2,7 @@
 fails the tasks it took down with a message that says so, and ``--resume`` trains them."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -44,34 +45,61 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
 
 
 class DyingNet(nn.Module):
-    """A linear model whose worker process dies in training (as one the system kills for memory) while the file that
-    ``LADLE_TEST_DIE`` names exists."""
+    """A linear model whose worker process dies in training, as one the system kills for memory: ``LADLE_TEST_DIE``
+    is ``always:FILE`` (every time while ``FILE`` exists) or ``once:FILE`` (the first worker to remove it)."""
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
         self.linear = nn.Linear(in_channels, out_channels)
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        if self.training and os.path.exists(os.environ.get("LADLE_TEST_DIE", "")):
-            os._exit(1)
+        mode, _, marker = os.environ.get("LADLE_TEST_DIE", "").partition(":")
+        if self.training and marker and os.path.exists(marker):
+            if mode == "always":
+                os._exit(1)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+                os._exit(1)
         return self.linear(x)
 
 
-def test_a_dead_worker_fails_its_tasks_plainly_and_resume_trains_them(data_root: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_worker_that_dies_once_costs_a_retry_and_nothing_else(data_root: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Every task of the broken pool (the one whose worker died, the one beside it, one still queued) is tried once
+    more in a new pool; the weights are those of the same tasks trained again here, where no worker dies."""
     marker = tmp_path / "die"
     marker.touch()
-    monkeypatch.setenv("LADLE_TEST_DIE", str(marker))
+    monkeypatch.setenv("LADLE_TEST_DIE", f"once:{marker}")
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
+    with caplog.at_level(logging.WARNING):
+        run = train_ingredients(recipe, ingredients=3, workers=2, threads=1, run_dir=tmp_path / "run",
+                                data_root=data_root, model=DyingNet, save_every=1)
+    assert not marker.exists(), "no worker died"
+    assert not run.failed and len(run.ingredients) == 3 and "trying it once more in a new pool" in caplog.text
+    pooled = _weights(run.run_dir, 3)
+    spec = RunSpec.from_json(read_json(run.run_dir / "run.json"), DyingNet)  # the run's recipe: model custom
+    worker = ShardWorker(spec.recipe, ShardSet.open(run.run_dir / "shards"), 0, "cpu")
+    for task in spec.tasks(run.run_dir):
+        worker.run(task, 1)
+    for ours, theirs in zip(pooled, _weights(run.run_dir, 3)):
+        assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+def test_a_worker_that_dies_again_fails_its_tasks_plainly_and_resume_trains_them(
+        data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    marker = tmp_path / "die"
+    marker.touch()
+    monkeypatch.setenv("LADLE_TEST_DIE", f"always:{marker}")
     recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
     with caplog.at_level(logging.ERROR):
-        run = train_ingredients(recipe, ingredients=2, workers=2, threads=1, run_dir=tmp_path / "run",
+        run = train_ingredients(recipe, ingredients=2, workers=1, threads=1, run_dir=tmp_path / "run",
                                 data_root=data_root, model=DyingNet)
     assert run.failed == ["ingredient-00", "ingredient-01"] and not run.ingredients
     assert read_json(run.run_dir / "ingredient-01.json")["error"] == DEAD_WORKER
-    assert DEAD_WORKER.startswith("BrokenProcessPool: a worker process died")
+    assert DEAD_WORKER.startswith("BrokenProcessPool: a worker process of its pool died, and again on its retry")
     assert f"`python -m ladle.train --resume --run-dir {run.run_dir}`" in caplog.text
     marker.unlink()
-    resumed = resume_run(run.run_dir, workers=2, model=DyingNet)
+    resumed = resume_run(run.run_dir, workers=1, model=DyingNet)
     assert not resumed.failed and [meta["name"] for meta in resumed.ingredients] == ["ingredient-00", "ingredient-01"]
     assert read_json(run.run_dir / "run.json")["status"] == "done"

@@ -339,8 +339,9 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
                                        "train_seconds", "peak_rss_mb")}
 
 
-DEAD_WORKER = ("BrokenProcessPool: a worker process died (killed by the system, e.g. out of memory: fewer --workers "
-               "hold less at once), this task's or another of the pool's")
+Submitted = tuple[IngredientTask, futures.ProcessPoolExecutor]  # a task and the pool it was given to
+DEAD_WORKER = ("BrokenProcessPool: a worker process of its pool died, and again on its retry (killed by the system, "
+               "e.g. out of memory: fewer --workers hold less at once)")
 POOL_ENVIRONMENT = ("LADLE_", "PYTHON", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
                     "NCCL_", "GLOO_", "RAY_")  # variables a worker's behaviour may depend on
 
@@ -381,20 +382,29 @@ class LocalPool:
             ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """Train ``tasks``, and each list of ``after`` once the task it is keyed by has finished well (the branches,
         once their trunk has, while a baseline goes on); return (metadata by name, error by name of those that
-        failed). A failing ingredient does not stop the others; a pool broken by a dead worker is replaced."""
+        failed). A failing ingredient does not stop the others. A worker that dies breaks the pool, which fails every
+        task it holds: each is tried once more in a new pool, from its last progress file."""
         after = after or {}
         pending = self._submit(tasks)
         results: dict[str, dict[str, Any]] = {}
         failed: dict[str, str] = {}
+        retried: set[str] = set()
         while pending:
             done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for future in done:
-                task = pending.pop(future)
+                task, pool = pending.pop(future)
                 try:
                     results[task.name] = future.result()
                 except futures.process.BrokenProcessPool:
-                    failed[task.name] = DEAD_WORKER
-                    log.error("%s failed: %s", task.name, DEAD_WORKER)
+                    self._retire(pool)  # its other processes are gone before anything is tried again
+                    if task.name in retried:
+                        failed[task.name] = DEAD_WORKER
+                        log.error("%s failed: %s", task.name, DEAD_WORKER)
+                    else:
+                        retried.add(task.name)
+                        log.warning("%s: a worker process of its pool died; trying it once more in a new pool, from "
+                                    "its last progress file", task.name)
+                        pending |= self._submit([task])
                 except (FloatingPointError, RuntimeError, ValueError,
                         LadleError) as error:  # e.g. a shard damaged since the run began
                     log.error("%s failed: %s", task.name, error)
@@ -403,12 +413,20 @@ class LocalPool:
                     pending |= self._submit(after.get(task.name, []))
         return results, failed
 
-    def _submit(self, tasks: list[IngredientTask]) -> dict[futures.Future[dict[str, Any]], IngredientTask]:
+    @staticmethod
+    def _retire(pool: futures.ProcessPoolExecutor) -> None:
+        """Shut a broken ``pool`` down, waiting for its processes to exit, unless an earlier failure already did."""
+        shared = LocalPool._shared
+        if shared is not None and shared[1] is pool:
+            pool.shutdown()
+            LocalPool._shared = None
+
+    def _submit(self, tasks: list[IngredientTask]) -> dict[futures.Future[dict[str, Any]], Submitted]:
         if not tasks:
             return {}
 
-        def submit(pool: futures.ProcessPoolExecutor) -> dict[futures.Future[dict[str, Any]], IngredientTask]:
-            return {pool.submit(run_task, task, self.recipe, self.shards, self.threads): task for task in tasks}
+        def submit(pool: futures.ProcessPoolExecutor) -> dict[futures.Future[dict[str, Any]], Submitted]:
+            return {pool.submit(run_task, task, self.recipe, self.shards, self.threads): (task, pool) for task in tasks}
         try:
             return submit(self._pool())
         except futures.process.BrokenProcessPool:
