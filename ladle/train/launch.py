@@ -265,7 +265,8 @@ def _train(files: RunDir, run_meta: dict[str, Any], spec: RunSpec, tasks: list[I
            data_root: str | None, device: str, backend: str, ray_options: dict[str, Any] | None,
            threads: int) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Train the trunk when the recipe has one and it is not finished (beside the baseline, which needs none), and
-    ``tasks`` once the trunk has finished (the baseline may still be training); return (metadata by name, error by name of those that failed), a failed task's metadata written."""
+    ``tasks`` once the trunk has finished (the baseline may still be training); return (metadata by name, error by
+    name of those that failed), a failed task's metadata written."""
     recipe = spec.recipe
     pool = LocalPool(recipe, files.shards, workers, device, threads) if backend == "local" else None
 
