@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from ladle.core.recipe import load_recipe
 from ladle.core.storage import load_state, read_json
 from ladle.graph.shards import ShardSet
 from ladle.train import worker as shard_worker
-from ladle.train.launch import DEAD_WORKER, resume_run, train_ingredients
+from ladle.train.launch import DEAD_WORKER, RunResult, resume_run, train_ingredients
 from ladle.train.task import RunSpec
 from ladle.train.worker import ShardWorker
 
@@ -63,18 +64,25 @@ class DyingNet(nn.Module):
         return self.linear(x)
 
 
+def _run_dying(mode: str, ingredients: int, workers: int, data_root: Path, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch, **options: Any) -> tuple[RunResult, Path]:
+    """A run of :class:`DyingNet` whose workers die as ``mode`` says; the run and the marker file."""
+    marker = tmp_path / "die"
+    marker.touch()
+    monkeypatch.setenv("LADLE_TEST_DIE", f"{mode}:{marker}")
+    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
+    run = train_ingredients(recipe, ingredients=ingredients, workers=workers, threads=1, run_dir=tmp_path / "run",
+                            data_root=data_root, model=DyingNet, **options)
+    return run, marker
+
+
 def test_a_worker_that_dies_once_costs_a_retry_and_nothing_else(data_root: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """Every task of the broken pool (the one whose worker died, the one beside it, one still queued) is tried once
     more in a new pool; the weights are those of the same tasks trained again here, where no worker dies."""
-    marker = tmp_path / "die"
-    marker.touch()
-    monkeypatch.setenv("LADLE_TEST_DIE", f"once:{marker}")
-    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
     with caplog.at_level(logging.WARNING):
-        run = train_ingredients(recipe, ingredients=3, workers=2, threads=1, run_dir=tmp_path / "run",
-                                data_root=data_root, model=DyingNet, save_every=1)
+        run, marker = _run_dying("once", 3, 2, data_root, tmp_path, monkeypatch, save_every=1)
     assert not marker.exists(), "no worker died"
     assert not run.failed and len(run.ingredients) == 3 and "trying it once more in a new pool" in caplog.text
     pooled = _weights(run.run_dir, 3)
@@ -88,13 +96,8 @@ def test_a_worker_that_dies_once_costs_a_retry_and_nothing_else(data_root: Path,
 
 def test_a_worker_that_dies_again_fails_its_tasks_plainly_and_resume_trains_them(
         data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    marker = tmp_path / "die"
-    marker.touch()
-    monkeypatch.setenv("LADLE_TEST_DIE", f"always:{marker}")
-    recipe = load_recipe(None, [*TRUNKLESS, "view.kind=random", "epochs=3"])
     with caplog.at_level(logging.ERROR):
-        run = train_ingredients(recipe, ingredients=2, workers=1, threads=1, run_dir=tmp_path / "run",
-                                data_root=data_root, model=DyingNet)
+        run, marker = _run_dying("always", 2, 1, data_root, tmp_path, monkeypatch)
     assert run.failed == ["ingredient-00", "ingredient-01"] and not run.ingredients
     assert read_json(run.run_dir / "ingredient-01.json")["error"] == DEAD_WORKER
     assert DEAD_WORKER.startswith("BrokenProcessPool: a worker process of its pool died, and again on its retry")
