@@ -199,17 +199,17 @@ def _train_task(recipe: Recipe, task: IngredientTask, source: ShardSource, data_
             return worker.run(task, threads), None
         with tempfile.TemporaryDirectory(prefix="ladle-ray-") as scratch:
             local = RunDir(Path(scratch))
-            inputs = {local.init: init_bytes, local.weights(TRUNK): trunk_bytes}  # what the task reads, not returns
-            for path, payload in inputs.items():
-                if payload is not None:
-                    path.write_bytes(payload)
+            given = {path: payload for path, payload in ((local.init, init_bytes), (local.weights(TRUNK), trunk_bytes))
+                     if payload is not None}  # what the task reads, never returns (a trunk task returns its own)
+            for path, payload in given.items():
+                path.write_bytes(payload)
             partition = worker.shards.partition()
             if partition is not None:
                 save_state(local.partition, {"parts": partition})
             meta = worker.run(dataclasses.replace(task, run_dir=local.path), threads)
-            given = {path for path, payload in inputs.items() if payload is not None} | {local.partition}
+            read = {*given, local.partition}
             return meta, {str(path.relative_to(local.path)): path.read_bytes()
-                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in given}
+                          for path in sorted(local.path.rglob("*")) if path.is_file() and path not in read}
     except (FloatingPointError, LadleError) as error:
         return {"error": f"{type(error).__name__}: {error}"}, None
 
@@ -311,14 +311,14 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_
                                                  retry_exceptions=True)
         threads = max(1, int(cpus))
         source = ShardSource.of(shards, everything[0].num_ingredients) if everything else None
+        shared = [task for task in everything if task.init == "shared"]
+        init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
 
         def submit(batch: list[IngredientTask]) -> dict[Any, IngredientTask]:
-            """Submit ``batch``; when gathering, the shared init's and the trunk's bytes go to the object store once
-            a batch (the trunk's are on the driver only once the trunk is done)."""
+            """Submit ``batch``; when gathering, the trunk's bytes go to the object store with the batch of its
+            branches (they are on the driver only once the trunk is done)."""
             if not batch:
                 return {}
-            shared = [task for task in batch if task.init == "shared"]
-            init_ref = ray.put(shared[0].files.init.read_bytes()) if gather and shared else None
             branches = [task for task in batch if task.role in (INGREDIENT, CONTINUED)]
             trunk_ref = (ray.put(branches[0].files.weights(TRUNK).read_bytes())
                          if gather and branches and recipe.trunk.epochs else None)
@@ -327,7 +327,7 @@ def run_ray(tasks: list[IngredientTask], recipe: Recipe, shards: ShardSet, data_
             return {remote.remote(recipe, task, source, data_root, device, threads,
                                   init_ref if task.init == "shared" else None, trunk_ref, gather, fault): task
                     for task in batch}
-        return _collect(ray, submit, tasks, after, total=len(everything))
+        return _collect(ray, submit, tasks, after)
     finally:
         if started:
             ray.shutdown()
@@ -344,13 +344,14 @@ def _write_gathered(run_dir: Path, gathered: dict[str, bytes]) -> None:
 
 
 def _collect(ray: Any, submit: Callable[[list[IngredientTask]], dict[Any, IngredientTask]],
-             tasks: list[IngredientTask], after: dict[str, list[IngredientTask]], total: int
+             tasks: list[IngredientTask], after: dict[str, list[IngredientTask]]
              ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Submit ``tasks``, wait for them as they finish, write gathered checkpoints, submit what waited for a task
-    once it has finished well (``after``), and tick the driver's bar (``total`` tasks at most)."""
+    once it has finished well (``after``), and tick the driver's bar."""
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     pending = submit(tasks)
+    total = len(tasks) + sum(map(len, after.values()))
     with tqdm(total=total, desc="ingredients", unit="ingredient", dynamic_ncols=True, disable=None) as bar:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
