@@ -25,6 +25,9 @@ from ladle.soup import learned
 from ladle.soup.cli import main as soup_main
 from ladle.soup.evaluator import Evaluator, interpolation_of
 from ladle.soup.methods import (
+    SOUPS,
+    TRUNK_INDEX,
+    SoupInputs,
     greedy_interpolation_soup,
     greedy_soup,
     search_alpha,
@@ -324,6 +327,30 @@ def test_gis_kept_lists_only_what_the_soup_contains() -> None:
     soup = greedy_interpolation_soup(states, [0, 1, 2], interpolation_of(score), "acc", grid=3)
     assert soup.alphas == [0.0, 1.0]  # take ingredient 1 whole; then every alpha ties, the larger wins
     assert soup.kept == [1] and torch.equal(soup.state["w"], states[1]["w"])
+
+
+def _with_a_trunk(trunk: float, *ingredients: float) -> SoupInputs:
+    """Scalar ingredients and trunk scored by how close w is to 1 (accuracy 1 - |w - 1| / 4, no loss)."""
+    def score(state: StateDict) -> Metrics:
+        return Metrics(1.0 - abs(float(state["w"]) - 1.0) / 4, 0.0)
+
+    states = _scalar_states(*ingredients)
+    scores = [score(state) for state in states]
+    order = sorted(range(len(states)), key=lambda i: scores[i].key("acc"), reverse=True)
+    trunk_state = _scalar_states(trunk)[0]
+    return SoupInputs(states, scores, order, score, interpolation_of(score), "acc", grid=5, fast=False,
+                      evaluator=None, seed=0, trunk=trunk_state, trunk_score=score(trunk_state))
+
+
+def test_greedy_and_gis_start_from_the_trunk_even_below_the_ingredients() -> None:
+    """The measured rule (bench/RESULTS.md, *Greedy soups that start from the trunk*): the trunk first, then the
+    ingredients best-first, however the trunk validates. From a weak trunk greedy keeps it and averages it in
+    (w = 4/3: accuracy 0.92, where the best ingredient alone is 1.0); GIS leaves it with alpha = 0."""
+    weak = _with_a_trunk(0.0, 1.0, 3.0)  # accuracies: trunk 0.75, ingredients 1.0 and 0.5
+    greedy, gis = SOUPS["greedy"](weak), SOUPS["gis"](weak)
+    assert greedy.order == gis.order == [TRUNK_INDEX, 0, 1]
+    assert greedy.kept == [TRUNK_INDEX, 0, 1] and torch.allclose(greedy.state["w"], torch.tensor([4 / 3]))
+    assert gis.alphas == [0.0, 1.0] and gis.kept == [0] and torch.equal(gis.state["w"], weak.states[0]["w"])
 
 
 @pytest.fixture(scope="module")

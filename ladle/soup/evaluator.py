@@ -55,6 +55,7 @@ class SoupResult:
     kept: list[int] = field(default_factory=list)
     alphas: list[float] = field(default_factory=list)
     curves: list[list[tuple[float, float, float]]] = field(default_factory=list)  # (alpha, acc, loss) per step
+    order: list[int] = field(default_factory=list)  # the candidates in the order a sequential soup visited them
     seconds: float = 0.0
     method: str = ""
 

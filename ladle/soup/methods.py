@@ -45,7 +45,7 @@ def greedy_soup(states: Sequence[StateDict], order: Sequence[int], score: Scorer
         if candidate.key(metric) >= best:
             kept.append(i)
             best = candidate.key(metric)
-    return SoupResult(average([states[j] for j in kept]), evaluations, kept)
+    return SoupResult(average([states[j] for j in kept]), evaluations, kept, order=list(order))
 
 
 def alpha_grid(points: int) -> list[float]:
@@ -112,7 +112,7 @@ def greedy_interpolation_soup(states: Sequence[StateDict], order: Sequence[int],
         soup = mixes.weights(alpha)
         weights = {j: alpha * w for j, w in weights.items()} | {i: 1.0 - alpha}
     kept = [j for j, w in weights.items() if w > 0]
-    return SoupResult(soup, evaluations, kept, alphas, curves)
+    return SoupResult(soup, evaluations, kept, alphas, curves, order=list(order))
 
 
 # ---------------------------------------------------------------- the registry
@@ -147,12 +147,14 @@ Sequential = Callable[[Sequence[StateDict], Sequence[int], Sequence[Metrics]], S
 def _trunk_first(inputs: SoupInputs, soup: Sequential) -> SoupResult:
     """Run a sequential soup with the trunk, when there is one, as its first candidate (then the
     ingredients best-first), so a soup can only leave the trunk where validation says the branches help;
-    the trunk appears in ``kept`` as :data:`TRUNK_INDEX`."""
+    the trunk appears in ``kept`` and ``order`` as :data:`TRUNK_INDEX`. Measured against the trunk ranked among
+    the ingredients by validation (bench/RESULTS.md, *Greedy soups that start from the trunk*)."""
     if inputs.trunk is None:
         return soup(inputs.states, inputs.order, inputs.scores)
     trunk_score = inputs.score(inputs.trunk) if inputs.trunk_score is None else inputs.trunk_score
     result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)], [trunk_score, *inputs.scores])
     result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
+    result.order = [i - 1 if i else TRUNK_INDEX for i in result.order]
     return result
 
 

@@ -171,9 +171,8 @@ def soup_run(run_dir: str | Path | None = None, method: str | None = None, grid:
         starts = _own_inits(recipe, evaluator.data, bundle.metas, model)
     else:
         starts = [trunk if trunk is not None else check_weights(files.init, expected)] * len(bundle.states)
-    path = [(bundle.names[i], bundle.states[i]) for i in order]  # greedy interpolation's: trunk first, then best-first
-    basin = _basin(soups, bundle, path if trunk is None else [(TRUNK, trunk), *path], starts,
-                   "trunk" if trunk is not None else "init", evaluator.test_accuracy if test_barrier else None)
+    basin = _basin(soups, bundle, trunk, starts, "trunk" if trunk is not None else "init",
+                   evaluator.test_accuracy if test_barrier else None)
     best_ingredient = max(rows, key=lambda r: (r["val_acc"], -r["val_loss"]))
     mean_ingredient = {"val_acc": sum(r["val_acc"] for r in rows) / len(rows),
                        "test_acc": sum(r["test_acc"] for r in rows) / len(rows)}
@@ -308,17 +307,18 @@ def _own_inits(recipe: Recipe, data: Data, metas: list[dict[str, Any]], model: M
     return inits
 
 
-def _basin(soups: list[SoupResult], bundle: Ingredients, path: list[tuple[str, StateDict]],
-           starts: list[StateDict], start_name: str,
-           test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
+def _basin(soups: list[SoupResult], bundle: Ingredients, trunk: StateDict | None, starts: list[StateDict],
+           start_name: str, test_accuracy: Callable[[StateDict], float] | None) -> dict[str, Any]:
     """Whether the ingredients sit in one basin: the barrier (:func:`ladle.soup.basin.barrier`, validation points)
-    of every greedy-interpolation step (``path``: its start, then each step's ingredient, named) and, where
-    ``test_accuracy`` is given, the same path's barrier on the test nodes; and each ingredient's
+    of every greedy-interpolation step (along its path: its start, then each step's ingredient or the ``trunk``)
+    and, where ``test_accuracy`` is given, the same path's barrier on the test nodes; and each ingredient's
     distance from the weights it started from (``starts``, one per ingredient; ``start_name``: the trunk or the init,
     the shared one or, in a run of independent inits, each one's own) and from the soup (the
     first with interpolation curves, else the first soup made)."""
     interpolated = next((result for result in soups if result.curves), None)
     alphas, curves = ([], []) if interpolated is None else (interpolated.alphas, interpolated.curves)
+    path = [(TRUNK, trunk) if i == TRUNK_INDEX else (bundle.names[i], bundle.states[i])
+            for i in ([] if interpolated is None else interpolated.order)]
     steps = [{"ingredient": name, "alpha": alpha,
               "barrier": barrier([a for a, _, _ in curve], [acc for _, acc, _ in curve])}
              for (name, _), alpha, curve in zip(path[1:], alphas, curves)]
