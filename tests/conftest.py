@@ -188,10 +188,10 @@ def lock_once_workers_exit(run_dir: Path, seconds: float = 30) -> None:
 
 # The files that take longest, started first: with ``-n 2 --dist loadfile`` the two workers then end together
 # instead of one finishing a long file alone (longest-processing-time-first scheduling).
-SLOW_FILES = ("test_varrate.py", "test_ray.py", "test_ray_cluster.py", "test_varrate_exchange.py", "test_notebook.py",
-              "test_run_lock.py", "test_metrics.py", "test_shards.py", "test_train.py", "test_soup.py",
-              "test_console_scripts.py", "test_cli.py", "test_pyg_sampler.py", "test_your_model.py", "test_safety.py",
-              "test_trunk.py")
+SLOW_FILES = ("test_ray.py", "test_varrate.py", "test_varrate_exchange.py", "test_ray_cluster.py", "test_notebook.py",
+              "test_trunk.py", "test_workers.py", "test_run_lock.py", "test_metrics.py", "test_safety.py", "test_train.py",
+              "test_shards.py", "test_soup.py", "test_console_scripts.py", "test_view_check.py", "test_cli.py",
+              "test_pyg_sampler.py", "test_your_model.py", "test_parallel_phase.py", "test_learned.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
