@@ -99,8 +99,9 @@ def test_a_worker_that_dies_again_fails_its_tasks_plainly_and_resume_trains_them
     with caplog.at_level(logging.ERROR):
         run, marker = _run_dying("always", 2, 1, data_root, tmp_path, monkeypatch)
     assert run.failed == ["ingredient-00", "ingredient-01"] and not run.ingredients
-    assert read_json(run.run_dir / "ingredient-01.json")["error"] == DEAD_WORKER
-    assert DEAD_WORKER.startswith("BrokenProcessPool: a worker process of its pool died, and again on its retry")
+    error = read_json(run.run_dir / "ingredient-01.json")["error"]
+    assert error == DEAD_WORKER and error.startswith("BrokenProcessPool: a worker process of its pool died, and again "
+                                                     "on its retry")
     assert f"`python -m ladle.train --resume --run-dir {run.run_dir}`" in caplog.text
     marker.unlink()
     resumed = resume_run(run.run_dir, workers=1, model=DyingNet)
