@@ -1,5 +1,6 @@
 """Local workers: each loads the whole graph once for all its ingredients, and each part once; a worker that dies
-fails the tasks it took down with a message that says so, and ``--resume`` trains them."""
+costs its pool's tasks a retry, one that dies again is told apart from its bystanders by running alone and fails
+with a message that says so, and ``--resume`` trains it."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ from conftest import TRUNKLESS
 from torch import Tensor, nn
 
 from ladle.core.recipe import load_recipe
+from ladle.core.seeds import worker_seed
 from ladle.core.storage import load_state, read_json
 from ladle.graph.shards import ShardSet
 from ladle.train import worker as shard_worker
@@ -47,7 +49,8 @@ def test_a_worker_loads_the_whole_graph_once_and_each_part_once(kind: str, loade
 
 class DyingNet(nn.Module):
     """A linear model whose worker process dies in training, as one the system kills for memory: ``LADLE_TEST_DIE``
-    is ``always:FILE`` (every time while ``FILE`` exists) or ``once:FILE`` (the first worker to remove it)."""
+    is ``once:FILE`` (the first worker to remove ``FILE``) or ``seed=S:FILE`` (the task seeded ``S``, every time
+    while ``FILE`` exists)."""
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
@@ -56,11 +59,12 @@ class DyingNet(nn.Module):
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         mode, _, marker = os.environ.get("LADLE_TEST_DIE", "").partition(":")
         if self.training and marker and os.path.exists(marker):
-            if mode == "always":
+            if mode == f"seed={torch.initial_seed()}":
                 os._exit(1)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(marker)
-                os._exit(1)
+            if mode == "once":
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
+                    os._exit(1)
         return self.linear(x)
 
 
@@ -94,15 +98,25 @@ def test_a_worker_that_dies_once_costs_a_retry_and_nothing_else(data_root: Path,
         assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
 
-def test_a_worker_that_dies_again_fails_its_tasks_plainly_and_resume_trains_them(
+def test_only_the_task_whose_worker_dies_alone_fails_its_bystander_finishes_and_resume_trains_it(
         data_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.ERROR):
-        run, marker = _run_dying("always", 2, 1, data_root, tmp_path, monkeypatch)
-    assert run.failed == ["ingredient-00", "ingredient-01"] and not run.ingredients
-    error = read_json(run.run_dir / "ingredient-01.json")["error"]
-    assert error == DEAD_WORKER and error.startswith("BrokenProcessPool: a worker process of its pool died, and again "
-                                                     "on its retry")
+    """ingredient-00's worker dies every time, first of the one worker's queue: ingredient-01, queued behind it on
+    its first death and on its retry, is tried alone and finishes with the weights it has when trained here, where no
+    worker dies; ingredient-00 fails plainly, and once the cause is gone ``--resume`` trains it."""
+    with caplog.at_level(logging.WARNING):
+        run, marker = _run_dying(f"seed={worker_seed(0, 0)}", 2, 1, data_root, tmp_path, monkeypatch, save_every=1)
+    assert run.failed == ["ingredient-00"], run.failed
+    assert [meta["name"] for meta in run.ingredients] == ["ingredient-01"]
+    assert "ingredient-01: trying it alone" in caplog.text
+    error = read_json(run.run_dir / "ingredient-00.json")["error"]
+    assert error == DEAD_WORKER and error.startswith("BrokenProcessPool: its worker process died, again on its retry, "
+                                                     "and once more when it ran alone")
     assert f"`python -m ladle.train --resume --run-dir {run.run_dir}`" in caplog.text
+    pooled = load_state(run.run_dir / "ingredient-01.safetensors")
+    spec = RunSpec.from_json(read_json(run.run_dir / "run.json"), DyingNet)
+    ShardWorker(spec.recipe, ShardSet.open(run.run_dir / "shards"), 0, "cpu").run(spec.tasks(run.run_dir)[1], 1)
+    retrained = load_state(run.run_dir / "ingredient-01.safetensors")
+    assert all(torch.equal(pooled[key], retrained[key]) for key in retrained)
     marker.unlink()
     resumed = resume_run(run.run_dir, workers=1, model=DyingNet)
     assert not resumed.failed and [meta["name"] for meta in resumed.ingredients] == ["ingredient-00", "ingredient-01"]

@@ -341,8 +341,8 @@ def _trunk_summary(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 Submitted = tuple[IngredientTask, futures.ProcessPoolExecutor]  # a task and the pool it was given to
-DEAD_WORKER = ("BrokenProcessPool: a worker process of its pool died, and again on its retry (killed by the system, "
-               "e.g. out of memory: fewer --workers hold less at once)")
+DEAD_WORKER = ("BrokenProcessPool: its worker process died, again on its retry, and once more when it ran alone "
+               "(killed by the system, e.g. out of memory)")
 POOL_ENVIRONMENT = ("LADLE_", "PYTHON", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
                     "NCCL_", "GLOO_", "RAY_")  # variables a worker's behaviour may depend on
 
@@ -384,23 +384,35 @@ class LocalPool:
         """Train ``tasks``, and each list of ``after`` once the task it is keyed by has finished well (the branches,
         once their trunk has, while a baseline goes on); return (metadata by name, error by name of those that
         failed). A failing ingredient does not stop the others. A worker that dies breaks the pool, which fails every
-        task it holds: each is tried once more in a new pool, from its last progress file."""
+        task it holds: each is tried once more in a new pool, from its last progress file; one broken again waits
+        until nothing else runs and is tried alone, so that only a task whose worker dies with no other beside it
+        fails (and tasks that died for want of memory together finish one by one)."""
         after = after or {}
         pending = self._submit(tasks)
         results: dict[str, dict[str, Any]] = {}
         failed: dict[str, str] = {}
         retried: set[str] = set()
-        while pending:
+        waiting: list[IngredientTask] = []  # broken twice: each to be tried alone, once nothing else runs
+        ran_alone: set[str] = set()
+        while pending or waiting:
+            if not pending:
+                task = waiting.pop(0)
+                log.warning("%s: trying it alone, as no other task runs", task.name)
+                ran_alone.add(task.name)
+                pending = self._submit([task])
             done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
-            for future in done:
+            for future in sorted(done, key=lambda done_future: pending[done_future][0].name):  # retried in order
                 task, pool = pending.pop(future)
                 try:
                     results[task.name] = future.result()
                 except futures.process.BrokenProcessPool:
                     self._retire(pool)  # its other processes are gone before anything is tried again
-                    if task.name in retried:
+                    if task.name in ran_alone:
                         failed[task.name] = DEAD_WORKER
                         log.error("%s failed: %s", task.name, DEAD_WORKER)
+                    elif task.name in retried:
+                        log.warning("%s: its pool broke again; it is tried alone once no other task runs", task.name)
+                        waiting.append(task)
                     else:
                         retried.add(task.name)
                         log.warning("%s: a worker process of its pool died; trying it once more in a new pool, from "
