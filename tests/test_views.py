@@ -175,6 +175,25 @@ def test_saint_batch_size_sets_the_subgraph_size(cora: Data) -> None:
     assert node.steps_per_epoch() == 28  # ceil(2708 / 100)
 
 
+@pytest.mark.parametrize("share, max_nodes, roots, steps", [(0.25, 8000, 226, 4), (0.5, 8000, 452, 2),
+                                                            (0.5, 900, 300, 4), (1.0, 8000, 903, 1)])
+def test_saint_subgraphs_aim_at_their_share_of_the_graph_within_the_cap(cora: Data, share: float, max_nodes: int,
+                                                                       roots: int, steps: int) -> None:
+    """With ``batch_size`` 0, random-walk roots are the share of Cora's 2,708 nodes (at most ``max_nodes``) over
+    the walk's 3 nodes, and an epoch covers the graph about once."""
+    config = ViewConfig(kind="saint-rw", subgraph_share=share, subgraph_max_nodes=max_nodes, sample_coverage=1)
+    walk = build_view(cora, config, 0, 1, seed=0)
+    assert (walk.budget, walk.steps_per_epoch()) == (roots, steps)
+    assert all(b.num_nodes <= 3 * roots for b in walk.batches(0))
+
+
+@pytest.mark.parametrize("key, value", [("subgraph_share", 0.0), ("subgraph_share", 1.5),
+                                        ("subgraph_max_nodes", 0)])
+def test_a_subgraph_size_out_of_range_is_refused(key: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"view.{key} must be"):
+        ViewConfig(kind="saint-rw", **{key: value})
+
+
 def test_neighbor_sampling_respects_fanout(cora: Data) -> None:
     fanout = (3, 2)
     view = build_view(cora, ViewConfig(kind="neighbor", batch_size=32, fanout=fanout), 0, 1, seed=0)

@@ -384,6 +384,8 @@ class ViewConfig:
     parts: int = 32  # cluster: number of METIS parts M (metis/random use K parts and ignore this)
     parts_per_batch: int = 4  # cluster: q parts merged per batch
     batch_size: int = 0  # saint-node: nodes / saint-edge: edges / saint-rw: roots / neighbor: seeds; 0 -> default
+    subgraph_share: float = 0.25  # saint, batch_size 0: a subgraph aims at this share of the graph's nodes, ...
+    subgraph_max_nodes: int = 8000  # ... at most this many (8,000: the GraphSAINT paper's Reddit budget)
     walk_length: int = 2  # saint-rw: steps of each random walk
     steps_per_epoch: int = 0  # cluster/saint/neighbor: batches per epoch; 0 -> cover the graph about once
     sample_coverage: int = 20  # saint: pre-sample until each node was drawn this often on average
@@ -398,7 +400,9 @@ class ViewConfig:
             raise ValueError(f"view.kind must be one of {', '.join(VIEW_KINDS)}; got {self.kind!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"view.sampler must be one of {', '.join(SAMPLERS)}; got {self.sampler!r}")
-        for key in ("parts", "parts_per_batch", "walk_length", "sample_coverage"):
+        if not 0 < self.subgraph_share <= 1:
+            raise ValueError(f"view.subgraph_share must be in (0, 1], got {self.subgraph_share}")
+        for key in ("parts", "parts_per_batch", "walk_length", "sample_coverage", "subgraph_max_nodes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"view.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("batch_size", "steps_per_epoch"):

@@ -51,8 +51,6 @@ _PARTITION_STREAM, _NORM_STREAM, _EPOCH_STREAM = 0, 1, 2
 # The stream index of the trunk's view (and its continuation's): above any ingredient's k, so no ingredient
 # replays the trunk's batches.
 TRUNK_STREAM = 1 << 32
-# GraphSAINT subgraphs aim at about a quarter of the graph, capped at the paper's Reddit budget.
-_SAINT_MAX_NODES = 8000
 _NEIGHBOR_BATCH = 512
 
 
@@ -257,7 +255,8 @@ class SaintView(IngredientView):
     Samplers: ``saint-node`` draws ``batch_size`` nodes with replacement, :math:`p_v \\propto \\deg(v) + 1`
     (degree in :math:`A + I`); ``saint-edge`` draws ``batch_size`` undirected edges without replacement,
     :math:`p_{u,v} \\propto 1/\\deg(u) + 1/\\deg(v)`, and keeps their endpoints; ``saint-rw`` starts
-    ``batch_size`` uniform roots and keeps every node of their ``walk_length``-step random walks.
+    ``batch_size`` uniform roots and keeps every node of their ``walk_length``-step random walks. With
+    ``batch_size`` 0 a subgraph aims at ``subgraph_share`` of the graph's nodes, at most ``subgraph_max_nodes``.
     Node counts :math:`C_v` and edge counts :math:`C_{u,v}` over pre-sampled subgraphs (until each node
     was drawn ``sample_coverage`` times on average, seeded by ``(seed, k)``) give
     ``loss_weight`` :math:`= n / (C_v |V_{train}|)` for ``n`` pre-samples and
@@ -280,7 +279,7 @@ class SaintView(IngredientView):
         num_train = int(data.train_mask.sum())
         if num_train == 0:
             raise ValueError(f"view.kind={self.kind} needs train nodes; the train split is empty")
-        nodes_per_sample = min(_SAINT_MAX_NODES, max(1, math.ceil(num_nodes / 4)))
+        nodes_per_sample = min(config.subgraph_max_nodes, max(1, math.ceil(num_nodes * config.subgraph_share)))
         if self.kind == "saint-node":
             self.node_weight = (self.adj.deg + 1).double()
             self.budget = min(config.batch_size or nodes_per_sample, num_nodes)  # more draws than nodes: no more nodes
