@@ -8,8 +8,15 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from ladle.core.recipe import PARTITION_KINDS, SAINT_KINDS, VIEW_KINDS, ViewConfig
+from ladle.core.recipe import (
+    PARTITION_KINDS,
+    SAINT_KINDS,
+    VIEW_KINDS,
+    Recipe,
+    ViewConfig,
+)
 from ladle.graph.views import build_view
+from ladle.train.task import RunSpec
 
 torch.set_num_threads(1)
 
@@ -185,6 +192,15 @@ def test_saint_subgraphs_aim_at_their_share_of_the_graph_within_the_cap(cora: Da
     walk = build_view(cora, config, 0, 1, seed=0)
     assert (walk.budget, walk.steps_per_epoch()) == (roots, steps)
     assert all(b.num_nodes <= 3 * roots for b in walk.batches(0))
+
+
+def test_a_run_written_before_the_subgraph_keys_resumes_with_the_subgraphs_it_sampled() -> None:
+    run = {"recipe": Recipe().to_dict(), "ingredients": 2, "init": "shared"}
+    assert RunSpec.from_json(run).recipe == Recipe()  # today's run: its own keys
+    for key in ("subgraph_share", "subgraph_max_nodes"):
+        del run["recipe"]["view"][key]
+    view = RunSpec.from_json(run).recipe.view
+    assert (view.subgraph_share, view.subgraph_max_nodes) == (0.25, 8000) != (Recipe().view.subgraph_share, 16000)
 
 
 @pytest.mark.parametrize("key, value", [("subgraph_share", 0.0), ("subgraph_share", 1.5),

@@ -147,7 +147,8 @@ class Recipe:
     dropout: float = 0.5
     norm: str = "none"
     heads: int = 8
-    view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="saint-rw"))
+    view: ViewConfig = field(default_factory=lambda: ViewConfig(kind="saint-rw", subgraph_share=0.5,
+                                                                 subgraph_max_nodes=16000))
     epochs: int = 200
     lr: float = 0.01
     weight_decay: float = 5e-4

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle.core.errors import LadleError
-from ladle.core.recipe import Recipe, recipe_from_dict
+from ladle.core.recipe import Recipe, ViewConfig, recipe_from_dict
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, RunDir, ingredient_name
 from ladle.nn.custom import ModelFactory
 
@@ -104,8 +104,12 @@ class RunSpec:
 
     @classmethod
     def from_json(cls, run: dict[str, Any], model_class: ModelFactory | None = None) -> RunSpec:
-        """The spec a ``run.json`` records (and the class of its own model, when it has one)."""
-        return cls(recipe_from_dict(run["recipe"]), int(run["ingredients"]), run["init"], bool(run.get("baseline")),
+        """The spec a ``run.json`` records (and the class of its own model, when it has one). A run written before
+        the view had its subgraph keys keeps the subgraphs it sampled: :class:`ViewConfig`'s defaults."""
+        recipe = dict(run["recipe"])
+        recipe["view"] = {"subgraph_share": ViewConfig.subgraph_share,
+                          "subgraph_max_nodes": ViewConfig.subgraph_max_nodes, **recipe.get("view", {})}
+        return cls(recipe_from_dict(recipe), int(run["ingredients"]), run["init"], bool(run.get("baseline")),
                    int(run.get("save_every", SAVE_EVERY)), tuple(run.get("log", ())), model_class)
 
     def task(self, k: int | None, run_dir: Path, role: str = "", init: str = "shared") -> IngredientTask:
