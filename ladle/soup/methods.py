@@ -153,8 +153,8 @@ def _trunk_first(inputs: SoupInputs, soup: Sequential) -> SoupResult:
         return soup(inputs.states, inputs.order, inputs.scores)
     trunk_score = inputs.score(inputs.trunk) if inputs.trunk_score is None else inputs.trunk_score
     result = soup([inputs.trunk, *inputs.states], [0, *(i + 1 for i in inputs.order)], [trunk_score, *inputs.scores])
-    result.kept = [i - 1 if i else TRUNK_INDEX for i in result.kept]
-    result.order = [i - 1 if i else TRUNK_INDEX for i in result.order]
+    result.kept, result.order = ([i - 1 if i else TRUNK_INDEX for i in indices]
+                                 for indices in (result.kept, result.order))
     return result
 
 

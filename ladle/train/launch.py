@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -391,14 +392,12 @@ class LocalPool:
         pending = self._submit(tasks)
         results: dict[str, dict[str, Any]] = {}
         failed: dict[str, str] = {}
-        retried: set[str] = set()
+        breaks: Counter[str] = Counter()  # a task's broken pools: 1, tried again; 2, tried alone; 3, failed
         waiting: list[IngredientTask] = []  # broken twice: each to be tried alone, once nothing else runs
-        ran_alone: set[str] = set()
         while pending or waiting:
             if not pending:
                 task = waiting.pop(0)
                 log.warning("%s: trying it alone, as no other task runs", task.name)
-                ran_alone.add(task.name)
                 pending = self._submit([task])
             done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for future in sorted(done, key=lambda done_future: pending[done_future][0].name):  # retried in order
@@ -407,14 +406,14 @@ class LocalPool:
                     results[task.name] = future.result()
                 except futures.process.BrokenProcessPool:
                     self._retire(pool)  # its other processes are gone before anything is tried again
-                    if task.name in ran_alone:
+                    breaks[task.name] += 1
+                    if breaks[task.name] == 3:
                         failed[task.name] = DEAD_WORKER
                         log.error("%s failed: %s", task.name, DEAD_WORKER)
-                    elif task.name in retried:
+                    elif breaks[task.name] == 2:
                         log.warning("%s: its pool broke again; it is tried alone once no other task runs", task.name)
                         waiting.append(task)
                     else:
-                        retried.add(task.name)
                         log.warning("%s: a worker process of its pool died; trying it once more in a new pool, from "
                                     "its last progress file", task.name)
                         pending |= self._submit([task])
