@@ -32,7 +32,8 @@ class IngredientTask:
     - ``baseline``: one full-graph model, the trunk's and a branch's epochs together;
     - ``trunk``: trained once on :meth:`Recipe.trunk_view`, before the ingredients that branch from it;
     - ``trunk-continued``: the trunk trained on, on its own view, for a branch's epochs, as a branch is:
-      what one worker makes of the parallel phase's time without the K - 1 others.
+      what one worker makes of them without the K - 1 others (a branch's steps on a sampled view; on a partition
+      recipe's ClusterGCN view, one step per batch of parts where a part's branch takes one an epoch).
     """
 
     k: int | None
