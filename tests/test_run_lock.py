@@ -185,6 +185,36 @@ def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> Non
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_varrate_ranks_die_with_their_launcher(data_root: Path, tmp_path: Path) -> None:
+    """Ranks fork from a server process the launcher starts: killing the launcher alone ends the server and every
+    rank, and the run is free again."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "ladle.varrate", "--ranks", "2", "--schedule", "full",
+                                 "epochs=100000", "patience=100000", "--data-root", str(data_root), "--run-dir",
+                                 str(run)], cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        assert launcher.stderr is not None
+        for line in launcher.stderr:  # rank 0 says so once every rank has joined
+            if "training 2 ranks" in line:
+                break
+        group = subprocess.run(["ps", "-ww", "-o", "pid=", "-g", str(launcher.pid)], capture_output=True,
+                               text=True).stdout.split()
+        children = [int(pid) for pid in group if int(pid) != launcher.pid]
+        assert len(children) >= 2 and all(_alive(pid) for pid in children), group
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, not its process group
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in children), "a rank outlived its launcher"
+        lock_once_workers_exit(run, seconds=5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def test_commands_started_in_the_same_second_each_get_their_own_folder(monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path) -> None:
     class Frozen(dt.datetime):
