@@ -158,6 +158,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_launcher_then_expect_gone(launcher: subprocess.Popen, processes: list[int], run: Path) -> None:
+    """SIGKILL the launcher alone (not its process group); every one of ``processes`` must exit within 30 s, and
+    the run be free again."""
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in processes), "a worker outlived its launcher"
+    lock_once_workers_exit(run, seconds=5)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -173,13 +185,7 @@ def test_workers_die_with_their_launcher(data_root: Path, tmp_path: Path) -> Non
                                   text=True).stdout.splitlines()
         workers = [int(line.split()[0]) for line in children if "spawn_main" in line]
         assert len(workers) == 2 and all(_alive(pid) for pid in workers), children
-        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, not its process group
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(pid) for pid in workers), "a worker outlived its launcher"
-        lock_once_workers_exit(run, seconds=5)
+        _kill_launcher_then_expect_gone(launcher, workers, run)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -202,14 +208,8 @@ def test_varrate_ranks_die_with_their_launcher(data_root: Path, tmp_path: Path) 
         group = subprocess.run(["ps", "-ww", "-o", "pid=", "-g", str(launcher.pid)], capture_output=True,
                                text=True).stdout.split()
         children = [int(pid) for pid in group if int(pid) != launcher.pid]
-        assert len(children) >= 2 and all(_alive(pid) for pid in children), group
-        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, not its process group
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(pid) for pid in children), "a rank outlived its launcher"
-        lock_once_workers_exit(run, seconds=5)
+        assert len(children) >= 2 and all(_alive(pid) for pid in children), group  # the server and its ranks
+        _kill_launcher_then_expect_gone(launcher, children, run)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
