@@ -21,7 +21,7 @@ from pathlib import Path
 from ladle.core.storage import write_json
 
 PROJECT = Path(__file__).resolve().parents[1]
-# runs: how many runs one interpreter makes (the second reuses the fork server); method: the ranks' start method
+# A fresh interpreter: argv = start method, runs, run-dir prefix, the command's arguments; prints each run's seconds.
 DRIVER = """
 import sys, time
 from ladle.core.errors import run_cli
@@ -34,6 +34,7 @@ for run in range(int(sys.argv[2])):
     assert run_cli(main, [*sys.argv[4:], "--run-dir", f"{sys.argv[3]}-{run}"]) == 0
     print(time.perf_counter() - began)
 """
+# case -> (the ranks' start method, runs one interpreter makes: a second reuses the fork server the first started)
 CASES = {"spawned": ("spawn", 1), "fork server, first run": ("forkserver", 1),
          "fork server, second run": ("forkserver", 2)}
 
