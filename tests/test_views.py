@@ -12,9 +12,11 @@ from ladle.core.recipe import (
     PARTITION_KINDS,
     SAINT_KINDS,
     VIEW_KINDS,
+    BranchConfig,
     Recipe,
     ViewConfig,
 )
+from ladle.graph.inputs import graph_inputs
 from ladle.graph.views import build_view
 from ladle.train.task import RunSpec
 
@@ -268,3 +270,54 @@ def test_bad_input_is_a_clear_value_error(cora: Data) -> None:
     no_train.train_mask = torch.zeros_like(cora.train_mask)
     with pytest.raises(ValueError, match="train split is empty"):
         build_view(no_train, ViewConfig(kind="neighbor"), 0, 1, seed=0)
+
+
+def test_drop_edges_keeps_each_edge_at_its_rate_and_its_weights_with_it(cora_data: Data) -> None:
+    from ladle.graph.inputs import drop_edges
+
+    graph = cora_data.clone()
+    graph.edge_weight = torch.arange(graph.num_edges, dtype=torch.float)
+    graph.degree = torch.full((graph.num_nodes,), 4.0)
+    assert drop_edges(graph, 0.0) is graph
+    torch.manual_seed(0)
+    dropped = drop_edges(graph, 0.3)
+    assert 0.67 < dropped.num_edges / graph.num_edges < 0.73 and graph.num_edges == cora_data.num_edges
+    kept = {edge: i for i, edge in enumerate(map(tuple, graph.edge_index.t().tolist()))}
+    assert [kept[edge] for edge in map(tuple, dropped.edge_index.t().tolist())] == dropped.edge_weight.long().tolist()
+    assert torch.allclose(dropped.degree, torch.full((graph.num_nodes,), 2.8))
+
+
+@pytest.mark.parametrize("kind", ["full", "saint-rw"])
+def test_a_branch_without_any_edge_trains_as_on_a_graph_without_edges(cora_data: Data, kind: str) -> None:
+    """DropEdge at a rate that drops every edge leaves a batch's adjacency the identity, and the next batch
+    without DropEdge every edge again; on the whole graph a GCN epoch is then an epoch on the graph without edges
+    (no dropout, so the edge draw is the only randomness; a sampled view's batches would differ there)."""
+    from ladle.nn.models import build_model
+    from ladle.train.loop import BatchInputs, train_epoch
+
+    recipe = Recipe(dropout=0.0, view=ViewConfig(kind=kind, subgraph_share=0.5))
+    edgeless = cora_data.clone()
+    edgeless.edge_index = torch.empty(2, 0, dtype=torch.long)
+    weights = []
+    for data, drop_edge in ((cora_data, 1 - 1e-12), (edgeless, 0.0))[:2 if kind == "full" else 1]:
+        view = build_view(data, recipe.view, 0, 8, recipe.seed)
+        torch.manual_seed(0)
+        model = build_model(recipe, data.num_features, 7)
+        inputs = BatchInputs(view, graph_inputs(data, "gcn"), "gcn", "cpu")
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        train_epoch(model, optimizer, view, 0, inputs, "test", drop_edge=drop_edge)
+        weights.append(model.state_dict())
+        if data is cora_data:
+            batch = next(iter(view.batches(0)))
+            eye = torch.eye(batch.num_nodes)
+            assert torch.allclose(inputs(batch, drop_edge).adj.csr.to_dense(), eye)
+            assert inputs(batch).adj.csr._nnz() == batch.num_nodes + batch.num_edges
+    assert len(weights) == 1 or all(torch.allclose(weights[0][key], weights[1][key], atol=1e-6) for key in weights[0])
+
+
+def test_each_ingredient_takes_its_drop_edge_rate() -> None:
+    recipe = Recipe(branch=BranchConfig(drop_edge=(0.0, 0.25)))
+    assert [recipe.ingredient_settings(k).drop_edge for k in range(4)] == [0.0, 0.25, 0.0, 0.25]
+    assert Recipe().ingredient_settings(3).drop_edge == 0.0
+    with pytest.raises(ValueError, match=r"branch.drop_edge values must be in \[0, 1\)"):
+        BranchConfig(drop_edge=(1.0,))

@@ -85,8 +85,9 @@ class BranchConfig:
     Adam's first steps move every weight by the full ``lr``); ``keep``: ``best`` validation (early stopping
     after ``patience``), ``last``, or ``swa`` (the mean of the weights after each epoch of the second half).
     Ingredients may differ in more than their seed, as model soups' fine-tunes do: ingredient k trains with
-    ``dropout[k % n]``, ``weight_decay[k % n]`` and the learning rate times ``lr_scale[k % n]`` (each empty:
-    the recipe's value for every ingredient). ``distill``: the weight of a term that keeps a model started from
+    ``dropout[k % n]``, ``weight_decay[k % n]``, the learning rate times ``lr_scale[k % n]`` and DropEdge at
+    ``drop_edge[k % n]`` (each training batch loses that share of its edges, drawn afresh; Rong et al. 2020)
+    (each empty: the recipe's value, and no DropEdge, for every ingredient). ``distill``: the weight of a term that keeps a model started from
     the trunk near the trunk's predictions on every node of its batch, labelled or not (the KL divergence from
     the trunk's softmax; 0: none): a part's few labels then do not pull its branch away from what the trunk
     learned of the whole graph.
@@ -99,6 +100,7 @@ class BranchConfig:
     dropout: tuple[float, ...] = ()
     weight_decay: tuple[float, ...] = ()
     lr_scale: tuple[float, ...] = ()
+    drop_edge: tuple[float, ...] = ()
     distill: float = 0.0
 
     def __post_init__(self) -> None:
@@ -107,12 +109,15 @@ class BranchConfig:
         object.__setattr__(self, "dropout", tuple(self.dropout))
         object.__setattr__(self, "weight_decay", tuple(self.weight_decay))
         object.__setattr__(self, "lr_scale", tuple(self.lr_scale))
+        object.__setattr__(self, "drop_edge", tuple(self.drop_edge))
         if any(not 0.0 <= d < 1.0 for d in self.dropout):
             raise ValueError(f"branch.dropout values must be in [0, 1), got {list(self.dropout)}")
         if any(not (math.isfinite(w) and w >= 0) for w in self.weight_decay):
             raise ValueError(f"branch.weight_decay values must be finite and >= 0, got {list(self.weight_decay)}")
         if any(not (math.isfinite(s) and s > 0) for s in self.lr_scale):
             raise ValueError(f"branch.lr_scale values must be finite and > 0, got {list(self.lr_scale)}")
+        if any(not 0.0 <= p < 1.0 for p in self.drop_edge):
+            raise ValueError(f"branch.drop_edge values must be in [0, 1), got {list(self.drop_edge)}")
         _check_choice("branch.schedule", self.schedule, LR_SCHEDULES)
         if not (math.isfinite(self.distill) and self.distill >= 0):
             raise ValueError(f"branch.distill must be finite and >= 0, got {self.distill}")
@@ -128,6 +133,7 @@ class IngredientSettings:
     dropout: float
     weight_decay: float
     lr: float
+    drop_edge: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,12 +193,12 @@ class Recipe:
         return self.lr if self.branch.lr is None else self.branch.lr
 
     def ingredient_settings(self, k: int) -> IngredientSettings:
-        """Ingredient ``k``'s dropout, weight decay and learning rate (see :class:`BranchConfig`)."""
+        """Ingredient ``k``'s dropout, weight decay, learning rate and DropEdge rate (see :class:`BranchConfig`)."""
         def pick(values: tuple[float, ...], default: float) -> float:
             return values[k % len(values)] if values else default
         return IngredientSettings(pick(self.branch.dropout, self.dropout),
                                   pick(self.branch.weight_decay, self.weight_decay),
-                                  self.branch_lr * pick(self.branch.lr_scale, 1.0))
+                                  self.branch_lr * pick(self.branch.lr_scale, 1.0), pick(self.branch.drop_edge, 0.0))
 
     def trunk_view(self) -> ViewConfig:
         """The trunk's view: ``trunk.view``, or ``cluster`` for partition recipes, else the recipe's own view

@@ -2,11 +2,13 @@
 normalised adjacency it aggregates with."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
+from torch_geometric.utils import dropout_edge
 
 from ladle.graph.sparse import SparseMatrix
 
@@ -72,6 +74,22 @@ def use_sparse_features(x: Tensor, model: str) -> bool:
         return False
     sample = x[: min(x.size(0), 4096)]
     return bool(torch.count_nonzero(sample) < 0.05 * sample.numel())
+
+
+def drop_edges(graph: Data, p: float) -> Data:
+    """DropEdge (Rong et al. 2020): ``graph`` with each edge dropped with probability ``p``, drawn from torch's
+    generator (PyG's ``dropout_edge``); its ``edge_weight`` follows its edges, its whole-graph ``degree`` is scaled
+    by ``1 - p`` (what the edges left give in expectation). ``p`` = 0: ``graph`` itself."""
+    if not p:
+        return graph
+    edge_index, kept = dropout_edge(graph.edge_index, p=p)
+    dropped = copy.copy(graph)
+    dropped.edge_index = edge_index
+    if graph.get("edge_weight") is not None:
+        dropped.edge_weight = graph.edge_weight[kept]
+    if graph.get("degree") is not None:
+        dropped.degree = graph.degree * (1 - p)
+    return dropped
 
 
 def graph_inputs(graph: Data, model: str, sparse_features: bool | None = None,

@@ -37,7 +37,7 @@ from ladle.core.storage import (
     save_state,
 )
 from ladle.core.weights import running_mean
-from ladle.graph.inputs import SPARSE_MIN_ENTRIES, GraphInputs, graph_inputs
+from ladle.graph.inputs import SPARSE_MIN_ENTRIES, GraphInputs, drop_edges, graph_inputs
 from ladle.graph.pyg_views import with_sampler
 from ladle.graph.sparse import CSRRows, SparseMatrix
 from ladle.graph.views import TRUNK_STREAM, IngredientView, build_view
@@ -123,27 +123,32 @@ class BatchInputs:
         if self._rows is not None:
             view.batch_features = False
 
-    def __call__(self, batch: Data) -> GraphInputs:
+    def __call__(self, batch: Data, drop_edge: float = 0.0) -> GraphInputs:
+        """``batch``'s inputs; with ``drop_edge`` > 0 (training), its adjacency from the edges that
+        :func:`~ladle.graph.inputs.drop_edges` leaves, drawn afresh each call."""
         if not self.view.static:
             features = None if self._rows is None else (
                 self._rows.sparse(batch.n_id) if batch.num_nodes * self._rows.shape[1] >= SPARSE_MIN_ENTRIES
                 else self._rows(batch.n_id))
-            return graph_inputs(batch, self.model, features=features).to(self.device)
+            return graph_inputs(drop_edges(batch, drop_edge), self.model, features=features).to(self.device)
         if self._static is None:
             self._static = (self.whole if batch.num_nodes == self.whole.num_nodes
                             else graph_inputs(batch, self.model).to(self.device))
-        return self._static
+        if not drop_edge:
+            return self._static
+        return graph_inputs(drop_edges(batch, drop_edge), self.model, features=self._static.x).to(self.device)
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, view: IngredientView, epoch: int,
                 inputs: BatchInputs, name: str, device: torch.device | str = "cpu",
-                teacher: Teacher | None = None) -> tuple[float, int]:
-    """One epoch of Adam steps over ``view``'s batches (plus ``teacher``'s term); return the mean batch loss (NaN
-    when no batch had a loss node) and the optimizer steps taken; a non-finite loss raises ``FloatingPointError``."""
+                teacher: Teacher | None = None, drop_edge: float = 0.0) -> tuple[float, int]:
+    """One epoch of Adam steps over ``view``'s batches (plus ``teacher``'s term; each batch's edges dropped with
+    probability ``drop_edge``); return the mean batch loss (NaN when no batch had a loss node) and the optimizer
+    steps taken; a non-finite loss raises ``FloatingPointError``."""
     model.train()
     losses: list[float] = []
     for batch in view.batches(epoch):
-        batch_input = inputs(batch)
+        batch_input = inputs(batch, drop_edge)
         if not bool(batch.loss_mask.any()):
             continue
         logits = model(batch_input)
@@ -231,8 +236,8 @@ def plan(recipe: Recipe, task: IngredientTask) -> Plan:
 
 
 def task_settings(recipe: Recipe, task: IngredientTask) -> IngredientSettings:
-    """Dropout, weight decay and branch learning rate of a task: an ingredient's own
-    (:meth:`Recipe.ingredient_settings`), the recipe's for every other task."""
+    """Dropout, weight decay, branch learning rate and DropEdge rate of a task: an ingredient's own
+    (:meth:`Recipe.ingredient_settings`), the recipe's (and no DropEdge) for every other task."""
     if task.k is not None:
         return recipe.ingredient_settings(task.k)
     return IngredientSettings(recipe.dropout, recipe.weight_decay, recipe.branch_lr)
@@ -389,7 +394,7 @@ def train_task(recipe: Recipe, data: Data, task: IngredientTask, full_inputs: Gr
             for group in optimizer.param_groups:
                 group["lr"] = schedule.lr_at(epoch)
             train_loss, steps = train_epoch(model, optimizer, view, first_view_epoch + epoch, batch_inputs, task.name,
-                                            device, teacher)
+                                            device, teacher, settings.drop_edge)
             val = evaluate(model, eval_inputs, eval_graph.y.to(device), eval_graph.val_mask.to(device))
             curves.epoch(epoch, k=task.k, train_loss=train_loss, val=val, lr=optimizer.param_groups[0]["lr"],
                          seconds=progress.seconds + time.perf_counter() - start)
