@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import PlainGCN
+from ladle.core.files import write_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.inputs import graph_inputs
 from ladle.nn.models import build_model

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ladle.core.storage import write_json
+from ladle.core.files import write_json
 
 PROJECT = Path(__file__).resolve().parents[1]
 # A fresh interpreter: argv = start method, runs, run-dir prefix, the command's arguments; prints each run's seconds.

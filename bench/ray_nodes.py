@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from ladle.core.storage import load_state, read_json
+from ladle.core.files import read_json
+from ladle.core.storage import load_state
 
 RAY = Path(sys.executable).with_name("ray")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ladle.core.files import write_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import write_json
 from ladle.graph.inputs import GraphInputs, graph_inputs
 from ladle.graph.shards import load_shard, prepare_shards
 from ladle.graph.views import build_view

@@ -33,8 +33,8 @@ from torch_geometric.data import Data
 from torch_geometric.nn import GCNConv
 
 from ladle.core.errors import LadleError
+from ladle.core.files import write_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import write_json
 from ladle.graph.datasets import load_dataset
 from ladle.graph.pyg_views import with_sampler
 from ladle.graph.views import build_view

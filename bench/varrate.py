@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ladle.core.errors import LadleError
+from ladle.core.files import write_json
 from ladle.core.recipe import (
     Recipe,
     ViewConfig,
@@ -57,7 +58,6 @@ from ladle.core.recipe import (
 )
 from ladle.core.recipe_files import resolve_recipe_path
 from ladle.core.resources import available_cores
-from ladle.core.storage import write_json
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
 from ladle.varrate import (

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladle.core.errors import LadleError, run_cli
+from ladle.core.files import read_json
 from ladle.core.recipe import add_recipe_arguments, recipe_from_args
-from ladle.core.storage import read_json
 from ladle.graph.datasets import CACHE_MARKER, cache_dir, discard, is_cache_entry
 from ladle.graph.shards import ShardSet, prepare_shards
 

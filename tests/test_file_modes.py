@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ladle.core.files import atomic_open, write_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import atomic_open, save_state, write_json
+from ladle.core.storage import save_state
 from ladle.soup.pipeline import soup_run
 from ladle.train.launch import train_ingredients
 

@@ -17,9 +17,10 @@ import torch
 from conftest import TRUNKLESS, copy_run, run_in_process, train_until_crash
 
 from ladle.core.errors import LadleError, run_cli
+from ladle.core.files import atomic_open
 from ladle.core.recipe import load_recipe
 from ladle.core.runlock import lock_run_dir
-from ladle.core.storage import atomic_open, load_state, save_state
+from ladle.core.storage import load_state, save_state
 from ladle.graph.datasets import load_dataset
 from ladle.graph.shards import load_shard, prepare_shards
 from ladle.nn.models import build_model

@@ -10,8 +10,8 @@ import torch
 
 import ladle
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json, write_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import read_json, write_json
 
 
 @pytest.fixture(scope="module")

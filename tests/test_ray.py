@@ -21,8 +21,9 @@ import torch
 from conftest import STARVED_VIEW, TRUNKLESS
 
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import Recipe, load_recipe
-from ladle.core.storage import load_state, read_json
+from ladle.core.storage import load_state
 from ladle.train.launch import RunResult, train_ingredients
 
 K = 4

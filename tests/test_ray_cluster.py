@@ -16,8 +16,9 @@ import torch
 from conftest import TRUNKLESS, run_module
 
 from bench.ray_nodes import kill_node_while_training, loopback_cluster
+from ladle.core.files import read_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import load_state, read_json
+from ladle.core.storage import load_state
 from ladle.train.launch import train_ingredients
 
 K, EPOCHS = 4, 300  # long enough (~3 s an ingredient) that the second node is killed 1 s into one

@@ -12,7 +12,8 @@ import torch
 from conftest import TRUNKLESS, run_in_process, train_then_kill
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import load_state, read_json, save_state, write_json
+from ladle.core.files import read_json, write_json
+from ladle.core.storage import load_state, save_state
 
 
 class _Payload:

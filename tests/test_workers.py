@@ -14,9 +14,10 @@ import torch
 from conftest import TRUNKLESS
 from torch import Tensor, nn
 
+from ladle.core.files import read_json
 from ladle.core.recipe import load_recipe
 from ladle.core.seeds import worker_seed
-from ladle.core.storage import load_state, read_json
+from ladle.core.storage import load_state
 from ladle.graph.shards import ShardSet
 from ladle.train import worker as shard_worker
 from ladle.train.launch import DEAD_WORKER, RunResult, resume_run, train_ingredients

@@ -11,8 +11,9 @@ from conftest import TRUNKLESS
 
 import ladle
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import load_state, read_json
+from ladle.core.storage import load_state
 
 RANDOM = [*TRUNKLESS, "view.kind=random", "epochs=3"]
 

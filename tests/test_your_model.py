@@ -14,8 +14,9 @@ from torch_geometric.utils import degree
 
 import ladle
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import load_recipe
-from ladle.core.storage import load_state, read_json
+from ladle.core.storage import load_state
 from ladle.graph.inputs import graph_inputs
 from ladle.graph.sparse import SparseMatrix
 from ladle.nn.custom import CustomModel, import_model_class

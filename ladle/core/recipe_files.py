@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import check_regular
+from ladle.core.files import check_regular
 
 
 class RecipeLoader(yaml.SafeLoader):

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import Recipe, recipe_from_dict
-from ladle.core.storage import read_json
 
 log = logging.getLogger(__name__)
 

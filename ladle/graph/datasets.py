@@ -31,7 +31,8 @@ from torch_geometric.data.storage import GlobalStorage
 from torch_geometric.utils import to_undirected
 
 from ladle.core.errors import LadleError
-from ladle.core.storage import check_regular, read_json, save_npy, write_json
+from ladle.core.files import check_regular, read_json, write_json
+from ladle.core.storage import save_npy
 from ladle.graph.splits import per_class_split, random_split
 from ladle.graph.synthetic import NAMED_GRAPHS, parse_synthetic, synthetic_graph
 

@@ -42,9 +42,10 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
+from ladle.core.files import check_regular, read_json, write_json
 from ladle.core.recipe import PARTITION_KINDS, Recipe, ViewConfig
 from ladle.core.resources import release_mapped_pages
-from ladle.core.storage import check_regular, read_json, save_npy, write_json
+from ladle.core.storage import save_npy
 from ladle.graph.datasets import (
     cache_dir,
     dataset_identity,

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import recipe_from_dict
 from ladle.core.rundir import (
     RunDir,
@@ -21,7 +22,7 @@ from ladle.core.rundir import (
     recipe_difference,
     resolve_run_dir,
 )
-from ladle.core.storage import StateDict, load_state, read_json
+from ladle.core.storage import StateDict, load_state
 from ladle.graph.datasets import (
     dataset_identity,
     load_dataset,

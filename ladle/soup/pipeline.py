@@ -20,6 +20,7 @@ from torch_geometric.data import Data
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json, write_json
 from ladle.core.recipe import SOUP_METRICS, SOUP_SEARCHES, Recipe, recipe_from_dict
 from ladle.core.rundir import (
     AVERAGED,
@@ -32,7 +33,7 @@ from ladle.core.rundir import (
     soup_name,
 )
 from ladle.core.runlock import check_free, lock_run_dir
-from ladle.core.storage import StateDict, read_json, save_state, write_json
+from ladle.core.storage import StateDict, save_state
 from ladle.core.versions import library_versions
 from ladle.graph.datasets import load_dataset
 from ladle.graph.given import user_graph

@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ladle.core.files import atomic_open, write_json
 from ladle.core.rundir import FAILED_VIEW, RunDir
-from ladle.core.storage import atomic_open, save_figure, write_json
+from ladle.core.storage import save_figure
 
 log = logging.getLogger(__name__)
 

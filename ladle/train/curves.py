@@ -15,12 +15,14 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ladle.core.errors import LadleError
+from ladle.core.files import atomic_open, check_regular
 from ladle.core.rundir import RunDir
-from ladle.core.storage import atomic_open, check_regular
-from ladle.nn.scoring import Metrics
+
+if TYPE_CHECKING:  # a type only: the command line checks loggers before it imports torch
+    from ladle.nn.scoring import Metrics
 
 COLUMNS = ("run", "name", "role", "k", "epoch", "train_loss", "val_acc", "val_loss", "lr", "seconds")
 ROLES = ("ingredient", "baseline", "trunk", "trunk-continued", "averaged", "varrate")

@@ -12,8 +12,9 @@ import torch
 from torch_geometric.data import Data
 from tqdm import tqdm
 
+from ladle.core.files import write_json
 from ladle.core.resources import peak_rss_mb
-from ladle.core.storage import StateDict, save_state, write_json
+from ladle.core.storage import StateDict, save_state
 from ladle.graph.inputs import GraphInputs
 from ladle.nn.models import GNN
 from ladle.nn.scoring import evaluate

@@ -25,6 +25,7 @@ import torch
 from torch_geometric.data import Data
 
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json, write_json
 from ladle.core.recipe import Recipe
 from ladle.core.resources import available_cores, resolve_device
 from ladle.core.rundir import (
@@ -41,7 +42,7 @@ from ladle.core.rundir import (
     update_latest,
 )
 from ladle.core.runlock import check_free, lock_run_dir
-from ladle.core.storage import read_json, save_state, write_json
+from ladle.core.storage import save_state
 from ladle.core.versions import changed_versions, library_versions
 from ladle.graph.given import user_graph
 from ladle.graph.pyg_views import check_sampler

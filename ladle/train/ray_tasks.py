@@ -52,10 +52,11 @@ from typing import Any
 from tqdm import tqdm
 
 from ladle.core.errors import LadleError
+from ladle.core.files import atomic_open, write_json
 from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
-from ladle.core.storage import atomic_open, save_state, write_json
+from ladle.core.storage import save_state
 from ladle.graph.datasets import cache_dir
 from ladle.graph.shards import ShardSet, cached_shards, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask

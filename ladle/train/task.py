@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, ViewConfig, recipe_from_dict
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, RunDir, ingredient_name
-from ladle.nn.custom import ModelFactory
+
+if TYPE_CHECKING:  # a type only: the command line builds tasks before it imports torch
+    from ladle.nn.custom import ModelFactory
 
 
 def check_ingredients(ingredients: int) -> None:

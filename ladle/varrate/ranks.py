@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ladle.core.collectives import ring_broadcast_bytes
 from ladle.core.errors import LadleError
+from ladle.core.files import read_json
 from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores, die_with_parent, resolve_device
 from ladle.core.rundir import (
@@ -25,7 +26,6 @@ from ladle.core.rundir import (
     make_run_dir,
 )
 from ladle.core.runlock import check_free, hold_as_worker, lock_run_dir
-from ladle.core.storage import read_json
 from ladle.graph.datasets import load_dataset
 from ladle.varrate.halo import partition_nodes
 from ladle.varrate.trainer import RankData, VarrateOptions, check_model, train_partition

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ladle.core.files import atomic_open
 from ladle.core.rundir import RunDir
-from ladle.core.storage import atomic_open, save_figure
+from ladle.core.storage import save_figure
 
 log = logging.getLogger(__name__)
 
