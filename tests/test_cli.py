@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_in_process, run_module
+from conftest import PROJECT, run_in_process, run_module
 
 BAD_TRAIN_INPUTS = [
     (["--data-root", "/nonexistent/ladle-data"], "data root /nonexistent/ladle-data does not exist"),
@@ -29,6 +32,30 @@ def test_train_rejects_bad_input_with_one_line(data_root: Path, tmp_path: Path, 
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_train_answers_help_and_bad_recipes_before_importing_torch() -> None:
+    """``--help``, ``--list-recipes`` and a bad recipe key or name need no torch (3-4 s of imports)."""
+    script = ("import sys\n"
+              "from ladle.core.errors import run_cli\n"
+              "from ladle.train.cli import build_parser, main\n"
+              "build_parser().format_help()\n"
+              "codes = [run_cli(main, args) for args in (['bogus=1'], ['--recipe', 'nope'], ['--list-recipes'])]\n"
+              "print(codes, [name for name in ('torch', 'torch_geometric') if name in sys.modules])\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PROJECT, timeout=60)
+    assert result.stdout.strip().splitlines()[-1] == "[2, 2, 0] []", result.stdout + result.stderr
+
+
+def test_a_reader_that_closes_the_pipe_ends_a_command_quietly() -> None:
+    """``python -m ladle.train --list-recipes | head -0``: exit 1, nothing on stderr (no traceback, no error)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "ladle.train", "--list-recipes"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, cwd=PROJECT, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (1, "")
 
 
 def test_soup_without_a_run_says_what_to_do(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -11,7 +12,8 @@ class LadleError(Exception):
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a CLI entry point: bad input -> one line + exit 2, internal error -> one line + exit 1.
+    """Run a CLI entry point: bad input -> one line + exit 2, internal error -> one line + exit 1; a reader that
+    closes its end of the output pipe early (``| head``) ends it quietly with exit 1.
 
     ``--debug`` anywhere on the command line shows the full traceback instead.
     """
@@ -21,7 +23,12 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        return int(main(args) or 0)
+        code = int(main(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then answered below
+        return code
+    except BrokenPipeError:  # as Python's signal docs advise: no traceback, and no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (LadleError, ValueError, FileNotFoundError, PermissionError) as error:
         if debug:
             raise

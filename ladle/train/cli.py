@@ -2,7 +2,8 @@
 
 The command line over :func:`ladle.train.launch.train_ingredients` (one ingredient's loop:
 :mod:`ladle.train.loop`; where ingredients run: :mod:`ladle.train.launch`, :mod:`ladle.train.ray_tasks`) and, with
-``--average-every``, :func:`ladle.train.periodic.train_with_averaging`.
+``--average-every``, :func:`ladle.train.periodic.train_with_averaging`. It imports torch and PyG only once the
+command line is read and checked, so ``--help``, ``--list-recipes`` and a bad recipe key answer at once.
 """
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import argparse
 import logging
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ladle.core.errors import LadleError
 from ladle.core.recipe import (
@@ -22,7 +21,6 @@ from ladle.core.recipe import (
     recipe_from_args,
 )
 from ladle.core.recipe_files import recipe_names
-from ladle.core.resources import resolve_device
 from ladle.core.rundir import (
     AVERAGED,
     RunDir,
@@ -35,12 +33,7 @@ from ladle.core.rundir import (
     run_difference,
 )
 from ladle.core.runlock import check_free, lock_run_dir
-from ladle.graph.datasets import load_dataset
-from ladle.nn.custom import import_model_class
-from ladle.nn.models import check_fits
 from ladle.train.curves import LOGGERS, check_loggers
-from ladle.train.launch import resume_run, train_ingredients
-from ladle.train.periodic import check_averaging, train_with_averaging
 from ladle.train.task import SAVE_EVERY
 
 log = logging.getLogger(__name__)
@@ -106,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_every is not None and args.save_every < 0:
         raise LadleError(f"--save-every must be >= 0, got {args.save_every}")
     check_loggers(args.log or [])
-    model_class = import_model_class(args.model_class) if args.model_class else None
     if args.resume:
         run_dir = resolve_run_dir(args.run_dir)
         _check_resume_flags(args, read_run(run_dir))
+        from ladle.train.launch import resume_run  # torch and PyG from here on
         run = resume_run(run_dir, args.workers, args.data_root, args.backend, ray_options, args.allow_other_data,
-                         model=model_class)
+                         model=_model_class(args))
         print(run.summary_table())
         print(f"run directory: {run.run_dir}")
         return 0 if not run.failed else 1
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ingredients = 8 if args.ingredients is None else args.ingredients
     args.log = args.log or []
     if args.average_every is not None:
-        if model_class is not None or recipe.model == "custom":
+        if args.model_class or recipe.model == "custom":
             raise LadleError("--average-every trains ladle's built-in models only (drop --model-class)")
         unused = [flag for flag, given in (("--device", args.device not in (None, "cpu")),
                                            ("--backend", args.backend not in (None, "local")),
@@ -134,14 +127,23 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("--average-every trains no trunk and reads no branch.* key: every trainer starts from the "
                         "shared init at lr %g (the recipe's trunk and branch sections are not used)", recipe.lr)
         return _train_averaged(recipe, args)
+    from ladle.train.launch import train_ingredients  # torch and PyG from here on
     run = train_ingredients(recipe, ingredients=args.ingredients, workers=args.workers, run_dir=args.run_dir,
                             init=args.init or "shared", baseline=bool(args.baseline), data_root=args.data_root,
                             device=args.device or "cpu", backend=args.backend or "local", ray_options=ray_options,
                             save_every=SAVE_EVERY if args.save_every is None else args.save_every,
-                            log=tuple(args.log), model=model_class)
+                            log=tuple(args.log), model=_model_class(args))
     print(run.summary_table())
     print(f"run directory: {run.run_dir}")
     return 0 if not run.failed else 1
+
+
+def _model_class(args: argparse.Namespace) -> Any:
+    """The class ``--model-class`` names, imported (torch with it), or None."""
+    if not args.model_class:
+        return None
+    from ladle.nn.custom import import_model_class
+    return import_model_class(args.model_class)
 
 
 def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
@@ -158,15 +160,27 @@ def _check_resume_flags(args: argparse.Namespace, run: dict[str, Any]) -> None:
         "--ingredients": (args.ingredients, run["ingredients"]), "init": (args.init, run["init"]),
         "--baseline": (args.baseline, bool(run.get("baseline"))),
         "--save-every": (args.save_every, run.get("save_every", SAVE_EVERY)),
-        "--device": (resolve_device("auto") if args.device == "auto" else args.device, run.get("device", "cpu")),
+        "--device": (_auto_device() if args.device == "auto" else args.device, run.get("device", "cpu")),
         "--log": (args.log and sorted(args.log), sorted(run.get("log", ())))})
     if contradictions:
         raise LadleError(f"--resume finishes the run as it was recorded, and these flags contradict it: "
                          f"{contradictions}. Drop them, or start a new run (another --run-dir)")
 
 
+def _auto_device() -> str:
+    """What ``--device auto`` resolves to here (imports torch)."""
+    from ladle.core.resources import resolve_device
+    return resolve_device("auto")
+
+
 def _train_averaged(recipe: Recipe, args: argparse.Namespace) -> int:
     """``--average-every T``: periodic averaging into ``--run-dir`` (an ingredient run's, to compare)."""
+    import torch
+
+    from ladle.graph.datasets import load_dataset
+    from ladle.nn.models import check_fits
+    from ladle.train.periodic import check_averaging, train_with_averaging
+
     torch.set_num_threads(args.workers or torch.get_num_threads())
     check_averaging(args.ingredients, args.average_every)  # before any folder is made
     run_dir = args.run_dir or averaging_run_dir(recipe.name, args.average_every)
