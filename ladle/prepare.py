@@ -16,12 +16,15 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ladle.core.errors import LadleError, run_cli
 from ladle.core.files import read_json
 from ladle.core.recipe import add_recipe_arguments, recipe_from_args
-from ladle.graph.datasets import CACHE_MARKER, cache_dir, discard, is_cache_entry
-from ladle.graph.shards import ShardSet, prepare_shards
+from ladle.graph.cache import CACHE_MARKER, cache_dir, discard, is_cache_entry
+
+if TYPE_CHECKING:
+    from ladle.graph.shards import ShardSet
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.older_than or args.max_size:
         raise LadleError("--older-than and --max-size go with --prune")
     recipe = recipe_from_args(args)
+    from ladle.graph.shards import prepare_shards  # torch and PyG from here on
     shards = prepare_shards(recipe, args.ingredients, args.data_root, args.force)
     print(shard_table(shards))
     print(f"shards: {shards.path} (prepared in {shards.meta['seconds']:.1f} s; "
@@ -86,7 +90,7 @@ class CacheEntry:
 
 
 def cache_entries(cache: Path) -> list[CacheEntry]:
-    """Every entry ladle wrote (and marked: :func:`~ladle.graph.datasets.is_cache_entry`) in the cache's
+    """Every entry ladle wrote (and marked: :func:`~ladle.graph.cache.is_cache_entry`) in the cache's
     ``datasets/`` and ``shards/`` folders, least recently used first; anything else there is not ladle's."""
     entries = [CacheEntry(path, _describe(path), _size(path), path.stat().st_mtime)
                for path in _folders(cache) if is_cache_entry(path)]

@@ -34,16 +34,24 @@ def test_train_rejects_bad_input_with_one_line(data_root: Path, tmp_path: Path, 
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_train_answers_help_and_bad_recipes_before_importing_torch() -> None:
-    """``--help``, ``--list-recipes`` and a bad recipe key or name need no torch (3-4 s of imports)."""
+@pytest.mark.parametrize("module, calls, codes", [
+    ("ladle.train.cli", [["bogus=1"], ["--recipe", "nope"], ["--list-recipes"]], [2, 2, 0]),
+    ("ladle.prepare", [["epochs=many"], ["--list"], ["--prune", "--max-size", "1G"]], [2, 0, 0]),
+])
+def test_help_bad_recipes_and_the_cache_answer_before_torch_is_imported(tmp_path: Path, module: str,
+                                                                        calls: list[list[str]],
+                                                                        codes: list[int]) -> None:
+    """``--help``, a bad recipe key or name, ``--list-recipes`` and the cache's listing and pruning need no torch
+    (3-4 s of imports)."""
     script = ("import sys\n"
               "from ladle.core.errors import run_cli\n"
-              "from ladle.train.cli import build_parser, main\n"
+              f"from {module} import build_parser, main\n"
               "build_parser().format_help()\n"
-              "codes = [run_cli(main, args) for args in (['bogus=1'], ['--recipe', 'nope'], ['--list-recipes'])]\n"
+              f"codes = [run_cli(main, args) for args in {calls!r}]\n"
               "print(codes, [name for name in ('torch', 'torch_geometric') if name in sys.modules])\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PROJECT, timeout=60)
-    assert result.stdout.strip().splitlines()[-1] == "[2, 2, 0] []", result.stdout + result.stderr
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PROJECT, timeout=60,
+                            env={**os.environ, "LADLE_CACHE": str(tmp_path / "cache")})
+    assert result.stdout.strip().splitlines()[-1] == f"{codes} []", result.stdout + result.stderr
 
 
 def test_a_reader_that_closes_the_pipe_ends_a_command_quietly() -> None:

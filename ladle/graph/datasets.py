@@ -33,6 +33,7 @@ from torch_geometric.utils import to_undirected
 from ladle.core.errors import LadleError
 from ladle.core.files import check_regular, read_json, write_json
 from ladle.core.storage import save_npy
+from ladle.graph.cache import cache_dir, discard, mark_cache_entry
 from ladle.graph.splits import per_class_split, random_split
 from ladle.graph.synthetic import NAMED_GRAPHS, parse_synthetic, synthetic_graph
 
@@ -202,36 +203,6 @@ def resolve_data_root(data_root: str | Path | None = None) -> Path:
     return Path.cwd() / "data"
 
 
-def cache_dir() -> Path:
-    """Writable folder for the datasets' arrays and the shards: ``$LADLE_CACHE``, else ``~/.cache/ladle``.
-
-    An empty ``$LADLE_CACHE`` and the working directory are refused: either would scatter the cache's
-    folders (and ``prepare --prune``'s reach) over the user's own files.
-    """
-    value = os.environ.get("LADLE_CACHE")
-    if value is not None and not value.strip():
-        raise LadleError("LADLE_CACHE is set but empty: unset it (the cache is then ~/.cache/ladle) or name a folder")
-    cache = Path(value or Path.home() / ".cache" / "ladle").expanduser()
-    if cache.resolve() == Path.cwd().resolve():
-        raise LadleError(f"the cache {cache} (LADLE_CACHE) is the working directory: name a folder of its own")
-    return cache
-
-
-CACHE_MARKER = ".ladle-cache-entry"  # in every folder ladle writes into the cache; prune removes no other
-
-
-def mark_cache_entry(folder: Path) -> None:
-    """Create ``folder`` and mark it as ladle's own (written first, so an interrupted build is marked too)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / CACHE_MARKER).write_text("written by ladle; python -m ladle.prepare --prune may remove this folder\n")
-
-
-def is_cache_entry(folder: Path) -> bool:
-    """Whether ``folder`` is a real folder (not a link) that ladle marked as a cache entry of its own."""
-    marker = folder / CACHE_MARKER
-    return folder.is_dir() and not folder.is_symlink() and marker.is_file() and not marker.is_symlink()
-
-
 DATASET_FORMAT = 1
 _ARRAY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -276,16 +247,6 @@ def forget_dataset(name: str, data_root: str | Path | None = None) -> None:
     identity = dataset_identity(key, data_root)
     if identity not in (None, "generated"):
         discard(cache_dir() / "datasets" / f"{key}-{identity}")
-
-
-def discard(path: Path) -> None:
-    """Remove a cache folder: renamed aside first, so no reader ever sees it half deleted."""
-    aside = path.parent / f".{path.name}.discarded.{os.getpid()}"
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_dataset(name: str, data_root: str | Path | None = None, split: int = 0, features: str = "auto") -> Data:

@@ -46,13 +46,8 @@ from ladle.core.files import check_regular, read_json, write_json
 from ladle.core.recipe import PARTITION_KINDS, Recipe, ViewConfig
 from ladle.core.resources import release_mapped_pages
 from ladle.core.storage import save_npy
-from ladle.graph.datasets import (
-    cache_dir,
-    dataset_identity,
-    forget_dataset,
-    load_dataset,
-    mark_cache_entry,
-)
+from ladle.graph.cache import cache_dir, mark_cache_entry
+from ladle.graph.datasets import dataset_identity, forget_dataset, load_dataset
 from ladle.graph.given import graph_identity
 from ladle.graph.inputs import (
     SPARSE_FEATURE_MODELS,

@@ -57,7 +57,7 @@ from ladle.core.recipe import Recipe, recipe_from_dict
 from ladle.core.resources import available_cores
 from ladle.core.rundir import CONTINUED, TRUNK, RunDir
 from ladle.core.storage import save_state
-from ladle.graph.datasets import cache_dir
+from ladle.graph.cache import cache_dir
 from ladle.graph.shards import ShardSet, cached_shards, prepare_shards
 from ladle.train.task import INGREDIENT, IngredientTask
 from ladle.train.worker import ShardWorker, kept_worker
