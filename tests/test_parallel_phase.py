@@ -106,10 +106,12 @@ def test_distillation_holds_a_branch_and_the_trunk_continued_near_the_trunks_pre
         assert divergence[5.0][name] < 0.5 * divergence[0.0][name], (name, divergence)
 
 
-def test_a_distilled_branch_resumed_after_a_crash_is_bitwise_identical(cora_data, tmp_path: Path, monkeypatch,
-                                                                      one_thread) -> None:
-    """The trunk it is held near is the trunk's file, not the weights a resumed branch starts from."""
-    recipe = load_recipe(None, ["trunk.epochs=5", "epochs=8", "branch.distill=1"])
+@pytest.mark.parametrize("branch", ["branch.distill=1", "branch.drop_edge=0.3"])
+def test_a_distilled_or_edge_dropping_branch_resumed_after_a_crash_is_bitwise_identical(
+        cora_data, tmp_path: Path, monkeypatch, one_thread, branch: str) -> None:
+    """The trunk a distilled branch is held near is the trunk's file, not the weights a resumed branch starts from;
+    the edges DropEdge drops after the resume are those it would have dropped (the saved generator state)."""
+    recipe = load_recipe(None, ["trunk.epochs=5", "epochs=8", branch])
     torch.manual_seed(1)
     trunk = build_model(recipe, cora_data.num_features, 7).state_dict()
     tasks = {}
