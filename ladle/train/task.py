@@ -10,7 +10,7 @@ from ladle.core.errors import LadleError
 from ladle.core.recipe import Recipe, ViewConfig, recipe_from_dict
 from ladle.core.rundir import BASELINE, CONTINUED, TRUNK, RunDir, ingredient_name
 
-if TYPE_CHECKING:  # a type only: the command line builds tasks before it imports torch
+if TYPE_CHECKING:  # a type only: the command line reads this module before it imports torch
     from ladle.nn.custom import ModelFactory
 
 
