@@ -44,6 +44,7 @@ def test_help_bad_recipes_and_the_cache_answer_before_torch_is_imported(tmp_path
     """``--help``, a bad recipe key or name, ``--list-recipes`` and the cache's listing and pruning need no torch
     (3-4 s of imports)."""
     script = ("import sys\n"
+              "import ladle.cli\n"  # the console scripts' module too
               "from ladle.core.errors import run_cli\n"
               f"from {module} import build_parser, main\n"
               "build_parser().format_help()\n"
