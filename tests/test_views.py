@@ -16,7 +16,7 @@ from ladle.core.recipe import (
     Recipe,
     ViewConfig,
 )
-from ladle.graph.inputs import graph_inputs
+from ladle.graph.inputs import drop_edges, graph_inputs
 from ladle.graph.views import build_view
 from ladle.train.task import RunSpec
 
@@ -273,8 +273,6 @@ def test_bad_input_is_a_clear_value_error(cora: Data) -> None:
 
 
 def test_drop_edges_keeps_each_edge_at_its_rate_and_its_weights_with_it(cora_data: Data) -> None:
-    from ladle.graph.inputs import drop_edges
-
     graph = cora_data.clone()
     graph.edge_weight = torch.arange(graph.num_edges, dtype=torch.float)
     graph.degree = torch.full((graph.num_nodes,), 4.0)
@@ -298,8 +296,9 @@ def test_a_branch_without_any_edge_trains_as_on_a_graph_without_edges(cora_data:
     recipe = Recipe(dropout=0.0, view=ViewConfig(kind=kind, subgraph_share=0.5))
     edgeless = cora_data.clone()
     edgeless.edge_index = torch.empty(2, 0, dtype=torch.long)
+    cases = [(cora_data, 1 - 1e-12)] + ([(edgeless, 0.0)] if kind == "full" else [])
     weights = []
-    for data, drop_edge in ((cora_data, 1 - 1e-12), (edgeless, 0.0))[:2 if kind == "full" else 1]:
+    for data, drop_edge in cases:
         view = build_view(data, recipe.view, 0, 8, recipe.seed)
         torch.manual_seed(0)
         model = build_model(recipe, data.num_features, 7)
