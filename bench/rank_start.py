@@ -69,7 +69,8 @@ def main() -> None:
         rows[ranks] = {case: {"seconds": values, "median": statistics.median(values),
                               "spawned / this": baseline / statistics.median(values)} for case, values in cases.items()}
         for case, row in rows[ranks].items():
-            print(f"{ranks} ranks, {case:<24} median {row['median']:5.1f} s  spawned / this {row['spawned / this']:.2f}x")
+            print(f"{ranks} ranks, {case:<24} median {row['median']:5.1f} s  "
+                  f"spawned / this {row['spawned / this']:.2f}x")
     write_json(args.out, {"machine": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
                           "repeats": args.repeats, "ranks": rows})
 

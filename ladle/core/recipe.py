@@ -86,11 +86,11 @@ class BranchConfig:
     after ``patience``), ``last``, or ``swa`` (the mean of the weights after each epoch of the second half).
     Ingredients may differ in more than their seed, as model soups' fine-tunes do: ingredient k trains with
     ``dropout[k % n]``, ``weight_decay[k % n]``, the learning rate times ``lr_scale[k % n]`` and DropEdge at
-    ``drop_edge[k % n]`` (each training batch loses that share of its edges, drawn afresh; Rong et al. 2020)
-    (each empty: the recipe's value, and no DropEdge, for every ingredient). ``distill``: the weight of a term that keeps a model started from
-    the trunk near the trunk's predictions on every node of its batch, labelled or not (the KL divergence from
-    the trunk's softmax; 0: none): a part's few labels then do not pull its branch away from what the trunk
-    learned of the whole graph.
+    ``drop_edge[k % n]`` (each training batch loses that share of its edges, drawn afresh; Rong et al. 2020);
+    each empty: the recipe's value, and no DropEdge, for every ingredient. ``distill``: the weight of a term that
+    keeps a model started from the trunk near the trunk's predictions on every node of its batch, labelled or not
+    (the KL divergence from the trunk's softmax; 0: none): a part's few labels then do not pull its branch away from
+    what the trunk learned of the whole graph.
     """
 
     lr: float | None = None
